@@ -1,0 +1,43 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+# Both make .venv and install what they need (python3 with venv and pip is enough).
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test lint typecheck unit proto bench smoke clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+## run: the node with an embedded edge and echo targets, on loopback
+run: $(STAMP)
+	$(VENV)/bin/iop-node demo
+
+## test: lint, type-check and the whole test suite
+test: lint typecheck unit
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+unit: $(STAMP)
+	$(PY) -m pytest -q
+
+## proto: regenerate iop_trio/_gen from proto/
+proto: $(STAMP)
+	$(PY) tools/genproto.py
+
+## bench: print the benchmark figures
+bench: $(STAMP)
+	$(PY) benchmarks/gate.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,26 @@
+"""Adapters: the engines a node runs on."""
+
+from .base import (
+    Adapter,
+    AdapterError,
+    AdapterRequest,
+    Capabilities,
+    Chunk,
+    Completion,
+    Delta,
+)
+from .echo import EchoAdapter
+from .registry import AdapterRegistry, default_registry
+
+__all__ = [
+    "Adapter",
+    "AdapterError",
+    "AdapterRegistry",
+    "AdapterRequest",
+    "Capabilities",
+    "Chunk",
+    "Completion",
+    "Delta",
+    "EchoAdapter",
+    "default_registry",
+]

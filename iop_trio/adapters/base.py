@@ -1,0 +1,98 @@
+"""The adapter interface: how the runtime talks to an inference engine.
+
+An adapter instance serves one namespace (``ollama``, ``vllm-a``, ``echo``);
+targets name it as the part before the first ``/``. The runtime calls
+:meth:`Adapter.open_stream` once per run, inside the run's cancel scope, and
+iterates it: each :class:`Delta` becomes a DELTA event, and the stream ends
+with at most one :class:`Completion`. Leaving the ``async with`` block, for
+any reason including cancellation, must close the engine stream (HTTP
+response, socket) before it returns.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractAsyncContextManager
+from typing import Any, ClassVar
+
+import attrs
+
+from ..runtime.lifecycle import Usage
+
+
+@attrs.frozen
+class Capabilities:
+    """What an adapter can do. ``max_concurrency`` None = no bound of its own."""
+
+    max_concurrency: int | None = None
+    streaming: bool = True
+    chat: bool = True
+
+
+@attrs.frozen
+class AdapterRequest:
+    """One run as an adapter sees it. ``params`` = target profile params overlaid by run options."""
+
+    run_id: str
+    model: str
+    prompt: str = ""
+    messages: tuple[tuple[str, str], ...] = ()
+    params: Mapping[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def is_chat(self) -> bool:
+        return bool(self.messages)
+
+
+@attrs.frozen
+class Delta:
+    text: str
+
+
+@attrs.frozen
+class Completion:
+    usage: Usage
+
+
+Chunk = Delta | Completion
+
+
+class AdapterError(Exception):
+    """The engine could not produce the run: the run ends FAILED with ``reason``.
+
+    ``reason`` is a short stable code (``engine_error``, ``timeout``,
+    ``connection``, ``bad_response``, ``empty_response``, ...); the message
+    is for people.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"AdapterError({self.reason!r}, {self.message!r})"
+
+
+class Adapter(abc.ABC):
+    """Base class of adapters. Subclasses set ``kind`` and implement ``open_stream``."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, name: str, *, capabilities: Capabilities | None = None) -> None:
+        self.name = name
+        self.capabilities = capabilities or Capabilities()
+
+    def __repr__(self) -> str:
+        cap = self.capabilities.max_concurrency
+        return f"<{type(self).__name__} {self.name!r} kind={self.kind} max_concurrency={cap}>"
+
+    @abc.abstractmethod
+    def open_stream(
+        self, request: AdapterRequest
+    ) -> AbstractAsyncContextManager[AsyncIterator[Chunk]]:
+        """Start the run on the engine; yields its chunks. Raise AdapterError on engine faults."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Release shared resources (HTTP clients). Called once when the node stops."""

@@ -1,0 +1,90 @@
+"""The built-in ``echo`` adapter: streams the input back, for tests and the demo.
+
+Each word of the prompt (or of the last chat message) comes back as one
+delta, whitespace kept. Behaviour is set per adapter and overridden per run
+by params (target profile or run options):
+
+- ``delay`` (seconds, default 0): sleep before each delta (a checkpoint
+  either way, so a cancel always lands).
+- ``fail_after`` (int): raise AdapterError("engine_error") after that many
+  deltas; ``fail_message`` sets its message.
+- ``repeat`` (int, default 1): echo the text that many times.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from ..runtime.lifecycle import Usage
+from .base import Adapter, AdapterError, AdapterRequest, Capabilities, Chunk, Completion, Delta
+
+_WORD = re.compile(r"\S+\s*|\s+")
+
+
+def _number(params: Mapping[str, Any], key: str, default: float) -> float:
+    value = params.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise AdapterError("invalid_params", f"echo param {key!r} must be a number >= 0")
+    return float(value)
+
+
+class EchoAdapter(Adapter):
+    """Echo adapter. ``opened``/``closed`` count streams, so tests can see a close."""
+
+    kind = "echo"
+
+    def __init__(
+        self,
+        name: str = "echo",
+        *,
+        delay: float = 0.0,
+        fail_after: int | None = None,
+        max_concurrency: int | None = None,
+    ) -> None:
+        super().__init__(name, capabilities=Capabilities(max_concurrency=max_concurrency))
+        self.delay = delay
+        self.fail_after = fail_after
+        self.opened = 0
+        self.closed = 0
+
+    @property
+    def active(self) -> int:
+        """Streams opened and not yet closed."""
+        return self.opened - self.closed
+
+    @asynccontextmanager
+    async def open_stream(self, request: AdapterRequest) -> AsyncIterator[AsyncIterator[Chunk]]:
+        params = request.params
+        delay = _number(params, "delay", self.delay)
+        fail_after = params.get("fail_after", self.fail_after)
+        if fail_after is not None:
+            fail_after = int(_number(params, "fail_after", 0))
+        repeat = int(_number(params, "repeat", 1))
+        text = request.messages[-1][1] if request.messages else request.prompt
+        words = _WORD.findall(text) * repeat
+        chunks = self._chunks(words, delay, fail_after, str(params.get("fail_message", "")))
+        self.opened += 1
+        try:
+            yield chunks
+        finally:
+            self.closed += 1
+            await chunks.aclose()
+
+    async def _chunks(
+        self, words: list[str], delay: float, fail_after: int | None, fail_message: str
+    ) -> AsyncGenerator[Chunk, None]:
+        sent = words if fail_after is None else words[:fail_after]
+        for word in sent:
+            await trio.sleep(delay)
+            yield Delta(word)
+        if fail_after is not None:
+            raise AdapterError(
+                "engine_error", fail_message or f"echo failed after {len(sent)} deltas"
+            )
+        await trio.lowlevel.checkpoint()
+        yield Completion(Usage("stop", prompt_tokens=len(words), completion_tokens=len(words)))

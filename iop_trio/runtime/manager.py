@@ -1,0 +1,481 @@
+"""The run manager: starts every run in the node-wide nursery and sees it to one end.
+
+Life of a run (one task each, started with ``nursery.start``):
+
+1. The QUEUED record and its event are written to the store; only then is
+   the submitter told the run exists (``start`` returns).
+2. Inside the run's own CancelScope: a permit from the :class:`Gate` (or
+   REJECTED), then STARTED, the adapter's stream as DELTA events, and the
+   adapter's end.
+3. The terminal event (SUCCEEDED, FAILED, CANCELLED or REJECTED) is made and
+   written under a shielded scope bounded by ``final_write_timeout``.
+
+Foreground and background runs take exactly this path; the only difference
+is that :meth:`RunManager.abandon` cancels the foreground runs of an owner
+(a lost session). A run task never raises into the nursery: any failure ends
+the run FAILED(internal) and is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import Callable, Collection, Hashable, Mapping
+from typing import Any
+
+import attrs
+import trio
+
+from ..adapters.base import Adapter, AdapterError, AdapterRequest, Delta
+from ..store.base import RunStore
+from .gate import Gate, GateRejected, UnknownTarget
+from .lifecycle import TRANSITIONS, RunEvent, RunRecord, RunState, RunStatus, Usage
+
+log = logging.getLogger(__name__)
+
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+
+
+class NodeUnavailable(Exception):
+    """The node is draining or stopped and admits no new runs."""
+
+
+class UnknownRun(KeyError):
+    def __str__(self) -> str:
+        return f"unknown run {self.args[0]!r}"
+
+
+class InvalidRequest(ValueError):
+    """A run request with bad values (the message says which)."""
+
+
+@attrs.frozen
+class TargetSpec:
+    """A target: an adapter namespace, a model and the profile settings runs get.
+
+    Its name is ``adapter/model``, or ``adapter/model@profile`` when a profile
+    is named, so one model can be served under several profiles.
+    """
+
+    adapter: str
+    model: str
+    profile: str = ""
+    concurrency: int = 1
+    max_queued: int | None = None
+    queue_timeout: float | None = None
+    params: Mapping[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def name(self) -> str:
+        base = f"{self.adapter}/{self.model}"
+        return f"{base}@{self.profile}" if self.profile else base
+
+
+@attrs.frozen
+class RunSpec:
+    """What a caller asks for. ``messages`` (role, content) make a chat run."""
+
+    target: str
+    prompt: str = ""
+    messages: tuple[tuple[str, str], ...] = ()
+    background: bool = False
+    run_id: str | None = None
+    options: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class Submitted:
+    """The ack: the run as stored when the caller is told, and whether it already existed."""
+
+    record: RunRecord
+    existing: bool = False
+
+
+@attrs.frozen
+class CancelOutcome:
+    run_id: str
+    status: RunStatus
+    cancelled: bool
+
+
+@attrs.frozen
+class _Outcome:
+    status: RunStatus
+    reason: str = ""
+    message: str = ""
+    usage: Usage | None = None
+
+
+@attrs.define(eq=False, repr=False)
+class _LiveRun:
+    """A run whose task is alive: its state, cancel scope and events for watchers."""
+
+    state: RunState
+    owner: Hashable | None
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    cancel_reason: str = ""
+    events: list[RunEvent] = attrs.field(factory=list)
+    changed: trio.Event = attrs.field(factory=trio.Event)
+    done: trio.Event = attrs.field(factory=trio.Event)
+
+    def __repr__(self) -> str:
+        return f"<LiveRun {self.state.record!r}>"
+
+    def publish(self, event: RunEvent) -> None:
+        self.events.append(event)
+        self.changed.set()
+        self.changed = trio.Event()
+
+
+class RunWatcher:
+    """Async iterator over a run's events with ``seq > after_seq``, live until the terminal one.
+
+    For a run that has ended it yields the stored events and stops. A slow
+    reader never slows the run: live events are kept in memory until the run
+    ends, and read from the store after that.
+    """
+
+    def __init__(self, manager: RunManager, run_id: str, after_seq: int) -> None:
+        self._manager = manager
+        self.run_id = run_id
+        self.next_seq = after_seq + 1
+        self._live = manager._live.get(run_id)
+        self._backlog: list[RunEvent] | None = None
+
+    def __repr__(self) -> str:
+        return f"<RunWatcher {self.run_id} next_seq={self.next_seq}>"
+
+    def __aiter__(self) -> RunWatcher:
+        return self
+
+    async def __anext__(self) -> RunEvent:
+        live = self._live
+        if live is None:
+            if self._backlog is None:
+                self._backlog = await self._manager._store.events(
+                    self.run_id, after_seq=self.next_seq - 1
+                )
+            if not self._backlog:
+                raise StopAsyncIteration
+            event = self._backlog.pop(0)
+        elif len(live.events) >= self.next_seq:
+            await trio.lowlevel.checkpoint()
+            event = live.events[self.next_seq - 1]
+        else:
+            while len(live.events) < self.next_seq:
+                if live.done.is_set():
+                    raise StopAsyncIteration
+                await live.changed.wait()
+            event = live.events[self.next_seq - 1]
+        self.next_seq = event.seq + 1
+        return event
+
+
+def _new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
+class RunManager:
+    """Owns the runs of one node; see the module docstring for a run's life."""
+
+    def __init__(
+        self,
+        *,
+        nursery: trio.Nursery,
+        gate: Gate,
+        store: RunStore,
+        adapters: Mapping[str, Adapter],
+        targets: Mapping[str, TargetSpec],
+        final_write_timeout: float = 10.0,
+        new_run_id: Callable[[], str] = _new_run_id,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._nursery = nursery
+        self._gate = gate
+        self._store = store
+        self._adapters = adapters
+        self._targets = targets
+        self.final_write_timeout = final_write_timeout
+        self._new_run_id = new_run_id
+        self._now = wall_clock
+        self._live: dict[str, _LiveRun] = {}
+        self._admitting = True
+        self._idle = trio.Event()
+        self._idle.set()
+        # hooks for metrics: called with each event after it is stored
+        self.listeners: list[Callable[[RunEvent, RunRecord], None]] = []
+
+    def __repr__(self) -> str:
+        running = sum(1 for r in self._live.values() if r.state.status is RunStatus.RUNNING)
+        return f"<RunManager live={len(self._live)} running={running} admitting={self._admitting}>"
+
+    # --- submitting ----------------------------------------------------------------------
+
+    async def submit(self, spec: RunSpec, *, owner: Hashable | None = None) -> Submitted:
+        """Create a run and return once it is stored QUEUED (or already known).
+
+        ``owner`` names who asked (a session); foreground runs are cancelled
+        by :meth:`abandon` with it. A ``spec.run_id`` that names a known run
+        returns that run with ``existing=True`` and starts nothing. Raises
+        UnknownTarget, InvalidRequest or NodeUnavailable without creating a run.
+        """
+        target = self._targets.get(spec.target)
+        if target is None:
+            raise UnknownTarget(spec.target)
+        if not self._admitting:
+            raise NodeUnavailable("the node is draining and admits no new runs")
+        if spec.run_id is not None:
+            if not _RUN_ID.fullmatch(spec.run_id):
+                raise InvalidRequest(
+                    "run_id must be 1-128 characters of A-Z a-z 0-9 _ . : - "
+                    "and start with a letter or digit"
+                )
+            known = await self.get(spec.run_id)
+            if known is not None:
+                return Submitted(known, existing=True)
+        run_id = spec.run_id or self._new_run_id()
+        record: RunRecord = await self._nursery.start(self._run, spec, target, run_id, owner)
+        return Submitted(record)
+
+    async def _run(
+        self,
+        spec: RunSpec,
+        target: TargetSpec,
+        run_id: str,
+        owner: Hashable | None,
+        task_status: trio.TaskStatus[RunRecord],
+    ) -> None:
+        state, first = RunState.create(
+            run_id=run_id,
+            target=spec.target,
+            background=spec.background,
+            time=self._now(),
+            prompt=spec.prompt,
+            messages=spec.messages,
+            options=spec.options,
+        )
+        if run_id in self._live:
+            raise InvalidRequest(f"run {run_id} is being created already")
+        live = _LiveRun(state, None if spec.background else owner)
+        self._live[run_id] = live
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+        try:
+            await self._store.create(attrs.evolve(state.record), first)
+        except BaseException:
+            self._forget(run_id)
+            raise
+        self._published(live, first)
+        task_status.started(attrs.evolve(state.record))
+
+        outcome: _Outcome | None = None
+        try:
+            with live.scope:
+                outcome = await self._admit_and_execute(live, target, spec)
+            if outcome is None:
+                outcome = _Outcome(RunStatus.CANCELLED, live.cancel_reason or "cancelled")
+        except trio.Cancelled:
+            # the node-wide nursery is being cancelled (shutdown)
+            outcome = _Outcome(RunStatus.CANCELLED, "node_shutdown", "the node stopped")
+            raise
+        except Exception as exc:
+            log.exception("run %s: internal error", run_id)
+            outcome = _Outcome(RunStatus.FAILED, "internal", f"{type(exc).__name__}: {exc}")
+        finally:
+            await self._finish(live, outcome or _Outcome(RunStatus.FAILED, "internal"))
+
+    async def _admit_and_execute(
+        self, live: _LiveRun, target: TargetSpec, spec: RunSpec
+    ) -> _Outcome:
+        try:
+            permit = await self._gate.acquire(live, spec.target)
+        except GateRejected as rejected:
+            return _Outcome(RunStatus.REJECTED, rejected.reason.value, str(rejected))
+        with permit:
+            await self._emit(live, live.state.transition(RunStatus.RUNNING, time=self._now()))
+            request = AdapterRequest(
+                run_id=live.state.record.run_id,
+                model=target.model,
+                prompt=spec.prompt,
+                messages=spec.messages,
+                params={**target.params, **spec.options},
+            )
+            return await self._execute(live, self._adapters[target.adapter], request)
+
+    async def _execute(self, live: _LiveRun, adapter: Adapter, request: AdapterRequest) -> _Outcome:
+        usage: Usage | None = None
+        try:
+            async with adapter.open_stream(request) as chunks:
+                async for chunk in chunks:
+                    if isinstance(chunk, Delta):
+                        if chunk.text:
+                            await self._emit(live, live.state.delta(chunk.text, time=self._now()))
+                    else:
+                        usage = chunk.usage
+        except AdapterError as exc:
+            return _Outcome(RunStatus.FAILED, exc.reason, exc.message)
+        return _Outcome(RunStatus.SUCCEEDED, usage=usage)
+
+    async def _emit(self, live: _LiveRun, event: RunEvent) -> None:
+        try:
+            await self._store.append(event)
+        finally:
+            # the store took the event before its first checkpoint, so it is
+            # published even when the wait for durability was cancelled
+            self._published(live, event)
+
+    def _published(self, live: _LiveRun, event: RunEvent) -> None:
+        live.publish(event)
+        for listener in self.listeners:
+            try:
+                listener(event, live.state.record)
+            except Exception:
+                log.exception("event listener %r failed", listener)
+
+    async def _finish(self, live: _LiveRun, outcome: _Outcome) -> None:
+        run_id = live.state.record.run_id
+        if outcome.status not in TRANSITIONS[live.state.status]:
+            # only a bug gets here (e.g. an internal error while QUEUED, which
+            # the table does not allow to FAIL): end it CANCELLED, say why
+            log.error("run %s: cannot end %s from %s", run_id, outcome, live.state.status)
+            outcome = _Outcome(RunStatus.CANCELLED, "internal", outcome.message)
+        try:
+            event = live.state.transition(
+                outcome.status,
+                time=self._now(),
+                reason=outcome.reason,
+                message=outcome.message,
+                usage=outcome.usage,
+            )
+            with trio.move_on_after(self.final_write_timeout, shield=True) as scope:
+                await self._emit(live, event)
+            if scope.cancelled_caught:
+                log.error(
+                    "run %s: final status %s not confirmed by the store within %ss",
+                    run_id,
+                    outcome.status.value,
+                    self.final_write_timeout,
+                )
+        except Exception:
+            log.exception("run %s: could not record final status %s", run_id, outcome.status)
+        finally:
+            live.done.set()
+            self._forget(run_id)
+
+    def _forget(self, run_id: str) -> None:
+        self._live.pop(run_id, None)
+        if not self._live:
+            self._idle.set()
+
+    # --- cancelling ----------------------------------------------------------------------
+
+    def cancel_nowait(self, run_id: str, reason: str = "cancelled") -> bool:
+        """Ask a live run to stop; True if it was live. Its end is recorded by its own task.
+
+        A run cancelled before it holds a permit goes QUEUED -> CANCELLED and
+        never starts; after, RUNNING -> CANCELLED and its adapter stream is
+        closed. The first reason given wins.
+        """
+        live = self._live.get(run_id)
+        if live is None or live.scope.cancel_called:
+            return live is not None
+        live.cancel_reason = reason
+        live.scope.cancel()
+        return True
+
+    async def cancel(self, run_id: str, reason: str = "cancelled") -> CancelOutcome:
+        """Cancel a run and wait until its final status is recorded.
+
+        ``cancelled`` is False when the run had already ended (its status is
+        returned as it is). Raises UnknownRun for an id the node never had.
+        """
+        live = self._live.get(run_id)
+        if live is not None and not live.scope.cancel_called:
+            self.cancel_nowait(run_id, reason)
+            await live.done.wait()
+            record = live.state.record
+            return CancelOutcome(run_id, record.status, record.status is RunStatus.CANCELLED)
+        if live is not None:
+            await live.done.wait()
+            return CancelOutcome(run_id, live.state.record.status, False)
+        stored = await self._store.get(run_id)
+        if stored is None:
+            raise UnknownRun(run_id)
+        return CancelOutcome(run_id, stored.status, False)
+
+    def abandon(self, owner: Hashable, reason: str = "session_lost") -> list[str]:
+        """Cancel the foreground runs of ``owner``; return their ids. Background runs go on."""
+        ids = [run_id for run_id, live in self._live.items() if live.owner == owner]
+        for run_id in ids:
+            self.cancel_nowait(run_id, reason)
+        return ids
+
+    def cancel_all(self, reason: str) -> list[str]:
+        ids = list(self._live)
+        for run_id in ids:
+            self.cancel_nowait(run_id, reason)
+        return ids
+
+    # --- admission and draining ----------------------------------------------------------
+
+    @property
+    def admitting(self) -> bool:
+        return self._admitting
+
+    def stop_admitting(self) -> None:
+        """From now on :meth:`submit` raises NodeUnavailable. Runs already in go on."""
+        self._admitting = False
+
+    async def wait_idle(self) -> None:
+        """Return when no run is live (at once if none is)."""
+        while self._live:
+            await self._idle.wait()
+        await trio.lowlevel.checkpoint()
+
+    async def drain(self, grace: float, reason: str = "node_draining") -> int:
+        """Stop admitting, wait ``grace`` seconds for live runs, cancel the rest.
+
+        Returns how many runs had to be cancelled; they end CANCELLED with
+        ``reason`` and their status recorded before this returns.
+        """
+        self.stop_admitting()
+        with trio.move_on_after(grace):
+            await self.wait_idle()
+        left = self.cancel_all(reason)
+        await self.wait_idle()
+        return len(left)
+
+    # --- reading -------------------------------------------------------------------------
+
+    def live_records(self) -> list[RunRecord]:
+        """Copies of the records of every live run (QUEUED or RUNNING, or finishing)."""
+        return [attrs.evolve(live.state.record) for live in self._live.values()]
+
+    def live_count(self, status: RunStatus | None = None) -> int:
+        if status is None:
+            return len(self._live)
+        return sum(1 for live in self._live.values() if live.state.status is status)
+
+    async def get(self, run_id: str) -> RunRecord | None:
+        live = self._live.get(run_id)
+        if live is not None:
+            await trio.lowlevel.checkpoint()
+            return attrs.evolve(live.state.record)
+        return await self._store.get(run_id)
+
+    async def list_runs(
+        self, *, statuses: Collection[RunStatus] = (), target: str = "", limit: int = 100
+    ) -> list[RunRecord]:
+        return await self._store.list_runs(statuses=statuses, target=target, limit=limit)
+
+    async def events(self, run_id: str, *, after_seq: int = 0) -> list[RunEvent]:
+        live = self._live.get(run_id)
+        if live is not None:
+            await trio.lowlevel.checkpoint()
+            return list(live.events[max(after_seq, 0) :])
+        return await self._store.events(run_id, after_seq=after_seq)
+
+    def watch(self, run_id: str, *, after_seq: int = 0) -> RunWatcher:
+        """Events of ``run_id`` after ``after_seq``, following a live run to its end."""
+        return RunWatcher(self, run_id, after_seq)

@@ -1,0 +1,261 @@
+"""The node: adapters, targets, the gate, the store and one nursery for every run.
+
+::
+
+    node = Node(node_id="n1", adapters=[AdapterSlot(EchoAdapter())],
+                targets=[TargetSpec("echo", "m", concurrency=2)])
+    async with node.running():
+        submitted = await node.manager.submit(RunSpec("echo/m", "hi"))
+
+The node knows nothing of transports: sessions call :attr:`Node.manager` and
+:meth:`Node.set_limits` and read :meth:`Node.describe`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+
+from .. import __version__
+from ..adapters.base import Adapter, Capabilities
+from ..store.base import RunStore
+from ..store.memory import MemoryStore
+from .gate import Gate
+from .manager import RunManager, TargetSpec
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class RuntimeLimits:
+    """Node-wide settings. ``queue_timeout`` 0 rejects at once when there is no capacity."""
+
+    concurrency: int = 8
+    max_queued: int = 1000
+    queue_timeout: float = 30.0
+    final_write_timeout: float = 10.0
+
+
+@attrs.frozen
+class AdapterSlot:
+    """An adapter instance and its configured limit (None = only its capability's, if any)."""
+
+    adapter: Adapter
+    concurrency: int | None = None
+
+
+@attrs.frozen
+class AdapterInfo:
+    name: str
+    kind: str
+    concurrency: int | None  # in force; None = unbounded
+    capabilities: Capabilities
+
+
+@attrs.frozen
+class Limits:
+    """The limits in force. An adapter mapped to None has no bound of its own."""
+
+    concurrency: int
+    max_queued: int
+    queue_timeout: float
+    adapters: Mapping[str, int | None]
+    targets: Mapping[str, int]
+
+
+@attrs.frozen
+class NodeInfo:
+    node_id: str
+    version: str
+    targets: tuple[TargetSpec, ...]
+    adapters: tuple[AdapterInfo, ...]
+    limits: Limits
+
+
+class Node:
+    """One inference node. Configuration errors raise ValueError from the constructor."""
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        adapters: Sequence[AdapterSlot | Adapter],
+        targets: Sequence[TargetSpec],
+        limits: RuntimeLimits | None = None,
+        store: RunStore | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self.version = __version__
+        self.runtime = limits or RuntimeLimits()
+        self.store: RunStore = store if store is not None else MemoryStore()
+        self.gate = Gate(
+            concurrency=self.runtime.concurrency,
+            max_queued=self.runtime.max_queued,
+            queue_timeout=self.runtime.queue_timeout,
+        )
+        self._adapters: dict[str, Adapter] = {}
+        for slot in adapters:
+            if isinstance(slot, Adapter):
+                slot = AdapterSlot(slot)
+            name = slot.adapter.name
+            if name in self._adapters:
+                raise ValueError(f"two adapters are named {name!r}")
+            self.gate.add_adapter(
+                name, slot.concurrency, max_concurrency=slot.adapter.capabilities.max_concurrency
+            )
+            self._adapters[name] = slot.adapter
+        self.targets: dict[str, TargetSpec] = {}
+        for target in targets:
+            if target.name in self.targets:
+                raise ValueError(f"target {target.name!r} is configured twice")
+            if target.adapter not in self._adapters:
+                raise ValueError(
+                    f"target {target.name!r} names adapter {target.adapter!r}, "
+                    f"which is not configured (have: {', '.join(sorted(self._adapters))})"
+                )
+            self.gate.add_target(
+                target.name,
+                adapter=target.adapter,
+                limit=target.concurrency,
+                max_queued=target.max_queued,
+                queue_timeout=target.queue_timeout,
+            )
+            self.targets[target.name] = target
+        self._manager: RunManager | None = None
+        self.started = trio.Event()
+
+    def __repr__(self) -> str:
+        state = "running" if self._manager is not None else "idle"
+        return f"<Node {self.node_id!r} {state} targets={len(self.targets)} {self.gate!r}>"
+
+    @property
+    def adapters(self) -> Mapping[str, Adapter]:
+        return self._adapters
+
+    @property
+    def manager(self) -> RunManager:
+        """The run manager; RuntimeError before :meth:`running` has started the node."""
+        if self._manager is None:
+            raise RuntimeError("the node is not running; use `async with node.running()`")
+        return self._manager
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[Node]:
+        """Run the node for the body of the ``async with``.
+
+        On entry, runs the store left QUEUED or RUNNING become INTERRUPTED. On
+        exit the node stops admitting, cancels every live run (CANCELLED,
+        reason ``node_shutdown``), waits for their final status to be recorded
+        and closes the adapters. Use :meth:`RunManager.drain` first for a
+        graceful stop. An exception from the body propagates as itself.
+        """
+        if self._manager is not None:
+            raise RuntimeError("the node is running already")
+        try:
+            async with trio.open_nursery() as nursery:
+                interrupted = await self.store.interrupt_unfinished(
+                    time=time.time(), message="the node stopped while the run was live"
+                )
+                if interrupted:
+                    log.warning("marked %d unfinished runs INTERRUPTED", len(interrupted))
+                self._manager = RunManager(
+                    nursery=nursery,
+                    gate=self.gate,
+                    store=self.store,
+                    adapters=self._adapters,
+                    targets=self.targets,
+                    final_write_timeout=self.runtime.final_write_timeout,
+                )
+                self.started.set()
+                try:
+                    yield self
+                finally:
+                    self._manager.stop_admitting()
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # run tasks never raise, so a lone exception is the body's own
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+        finally:
+            with trio.CancelScope(shield=True):
+                for adapter in self._adapters.values():
+                    try:
+                        await adapter.aclose()
+                    except Exception:
+                        log.exception("closing adapter %s failed", adapter.name)
+
+    # --- limits --------------------------------------------------------------------------
+
+    def limits(self) -> Limits:
+        stats = self.gate.statistics()
+        return Limits(
+            concurrency=int(stats.global_.limit),
+            max_queued=stats.max_queued,
+            queue_timeout=stats.queue_timeout,
+            adapters={name: self.gate.adapter_limit(name) for name in self._adapters},
+            targets={name: int(s.limit) for name, s in stats.targets.items()},
+        )
+
+    def set_limits(
+        self,
+        *,
+        concurrency: int | None = None,
+        max_queued: int | None = None,
+        queue_timeout: float | None = None,
+        adapters: Mapping[str, int | None] | None = None,
+        targets: Mapping[str, int] | None = None,
+    ) -> Limits:
+        """Change limits at runtime (None / absent leaves a limit as it is); returns those in force.
+
+        All names are checked before anything changes: an unknown adapter or
+        target raises KeyError, a bad value ValueError, and then nothing is
+        changed. Lowering a limit lets holders finish; raising it admits
+        waiting runs at once.
+        """
+        adapters = dict(adapters or {})
+        targets = dict(targets or {})
+        unknown = [f"adapter {n!r}" for n in adapters if n not in self._adapters]
+        unknown += [f"target {n!r}" for n in targets if n not in self.targets]
+        if unknown:
+            raise KeyError(f"unknown {', '.join(unknown)}")
+        for what, value in (
+            [("concurrency", concurrency), ("max_queued", max_queued)]
+            + [(f"target {n!r}", v) for n, v in targets.items()]
+            + [(f"adapter {n!r}", v) for n, v in adapters.items() if v is not None]
+        ):
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{what} must be an integer >= 0, not {value!r}")
+        if queue_timeout is not None and not queue_timeout >= 0:
+            raise ValueError(f"queue_timeout must be >= 0, not {queue_timeout!r}")
+        self.gate.set_queue(max_queued=max_queued, queue_timeout=queue_timeout)
+        for name, limit in adapters.items():
+            self.gate.set_adapter_limit(name, limit)
+        for name, tlimit in targets.items():
+            self.gate.set_target_limit(name, tlimit)
+        if concurrency is not None:
+            self.gate.set_global_limit(concurrency)
+        return self.limits()
+
+    def describe(self) -> NodeInfo:
+        """What the node tells an edge in its Hello."""
+        return NodeInfo(
+            node_id=self.node_id,
+            version=self.version,
+            targets=tuple(self.targets.values()),
+            adapters=tuple(
+                AdapterInfo(
+                    name=name,
+                    kind=adapter.kind,
+                    concurrency=self.gate.adapter_limit(name),
+                    capabilities=adapter.capabilities,
+                )
+                for name, adapter in self._adapters.items()
+            ),
+            limits=self.limits(),
+        )

@@ -1,0 +1,71 @@
+"""The run store interface.
+
+A store keeps every run's record and its event log. Records change only by
+events: the store folds each appended event into its own copy of the record
+(:meth:`RunRecord.apply`), so the stored status always equals the last status
+event, and an event that breaks the lifecycle table or skips a seq is refused
+with an exception instead of being stored.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Collection
+
+from ..runtime.lifecycle import RunEvent, RunRecord, RunStatus
+
+
+class StoreError(Exception):
+    """The store could not do what was asked (I/O, corruption, a refused event)."""
+
+
+class RunStore(abc.ABC):
+    """Where runs and their events live. All methods are safe to call from many tasks."""
+
+    @abc.abstractmethod
+    async def create(self, record: RunRecord, event: RunEvent) -> None:
+        """Store a new run and its first (QUEUED) event. Durable when it returns.
+
+        Raises StoreError if a run with that id exists.
+        """
+
+    @abc.abstractmethod
+    async def append(self, event: RunEvent) -> None:
+        """Append one event to its run and fold it into the record.
+
+        The event is taken, in order after every earlier append, before the
+        first checkpoint: if the caller is cancelled while waiting, the event
+        is still written. Returns once it is durable.
+        """
+
+    @abc.abstractmethod
+    async def get(self, run_id: str) -> RunRecord | None:
+        """A copy of the run's record, or None."""
+
+    @abc.abstractmethod
+    async def list_runs(
+        self,
+        *,
+        statuses: Collection[RunStatus] = (),
+        target: str = "",
+        limit: int = 100,
+    ) -> list[RunRecord]:
+        """Runs, newest first; empty ``statuses`` / ``target`` match any."""
+
+    @abc.abstractmethod
+    async def events(self, run_id: str, *, after_seq: int = 0) -> list[RunEvent]:
+        """The run's events with ``seq > after_seq``, in order ([] for an unknown run)."""
+
+    @abc.abstractmethod
+    async def interrupt_unfinished(self, *, time: float, message: str) -> list[RunEvent]:
+        """Mark every QUEUED or RUNNING run INTERRUPTED, each with an event; return them.
+
+        Called once when a node starts, before it accepts runs.
+        """
+
+    @abc.abstractmethod
+    async def prune(self, *, finished_before: float) -> int:
+        """Delete terminal runs that finished before the given unix time; return how many."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Flush and release resources; the store is unusable afterwards."""

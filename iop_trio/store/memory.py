@@ -1,0 +1,92 @@
+"""An in-memory run store: the reference implementation of :class:`RunStore`."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import attrs
+import trio
+
+from ..runtime.lifecycle import RunEvent, RunRecord, RunStatus, interruption
+from .base import RunStore, StoreError
+
+
+class MemoryStore(RunStore):
+    """Keeps everything in dicts; nothing survives the process. Every method is a checkpoint."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, RunRecord] = {}
+        self._events: dict[str, list[RunEvent]] = {}
+
+    def __repr__(self) -> str:
+        return f"<MemoryStore runs={len(self._runs)}>"
+
+    async def create(self, record: RunRecord, event: RunEvent) -> None:
+        await trio.lowlevel.checkpoint()
+        if record.run_id in self._runs:
+            raise StoreError(f"run {record.run_id} exists")
+        if event.seq != 1 or event.status is not RunStatus.QUEUED or record.last_seq != 1:
+            raise StoreError(f"run {record.run_id} must start with a QUEUED event, seq 1")
+        self._runs[record.run_id] = attrs.evolve(record)
+        self._events[record.run_id] = [event]
+
+    async def append(self, event: RunEvent) -> None:
+        self.append_nowait(event)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def append_nowait(self, event: RunEvent) -> None:
+        record = self._runs.get(event.run_id)
+        if record is None:
+            raise StoreError(f"event for unknown run {event.run_id}")
+        try:
+            record.apply(event)
+        except (ValueError, RuntimeError) as exc:
+            raise StoreError(str(exc)) from exc
+        self._events[event.run_id].append(event)
+
+    async def get(self, run_id: str) -> RunRecord | None:
+        await trio.lowlevel.checkpoint()
+        record = self._runs.get(run_id)
+        return None if record is None else attrs.evolve(record)
+
+    async def list_runs(
+        self,
+        *,
+        statuses: Collection[RunStatus] = (),
+        target: str = "",
+        limit: int = 100,
+    ) -> list[RunRecord]:
+        await trio.lowlevel.checkpoint()
+        wanted = set(statuses)
+        found = [
+            attrs.evolve(r)
+            for r in reversed(self._runs.values())
+            if (not wanted or r.status in wanted) and (not target or r.target == target)
+        ]
+        return found[:limit]
+
+    async def events(self, run_id: str, *, after_seq: int = 0) -> list[RunEvent]:
+        await trio.lowlevel.checkpoint()
+        return self._events.get(run_id, [])[max(after_seq, 0) :]
+
+    async def interrupt_unfinished(self, *, time: float, message: str) -> list[RunEvent]:
+        await trio.lowlevel.checkpoint()
+        made = []
+        for record in self._runs.values():
+            if not record.status.terminal:
+                event = interruption(record, time=time, message=message)
+                self.append_nowait(event)
+                made.append(event)
+        return made
+
+    async def prune(self, *, finished_before: float) -> int:
+        await trio.lowlevel.checkpoint()
+        old = [
+            run_id
+            for run_id, r in self._runs.items()
+            if r.status.terminal and r.finished is not None and r.finished < finished_before
+        ]
+        for run_id in old:
+            del self._runs[run_id]
+            del self._events[run_id]
+        return len(old)

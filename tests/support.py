@@ -1,0 +1,82 @@
+"""Test helpers: a scripted adapter whose runs end when the test says so."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+
+from iop_trio.adapters.base import (
+    Adapter,
+    AdapterError,
+    AdapterRequest,
+    Capabilities,
+    Chunk,
+    Completion,
+    Delta,
+)
+from iop_trio.runtime.lifecycle import Usage
+
+
+@attrs.define(eq=False)
+class Script:
+    """The controls of one scripted run: send deltas, then finish or fail it."""
+
+    run_id: str
+    send: trio.MemorySendChannel[tuple[str, str]]
+    closed: bool = False
+
+    def delta(self, text: str) -> None:
+        self.send.send_nowait(("delta", text))
+
+    def finish(self) -> None:
+        self.send.send_nowait(("finish", ""))
+
+    def fail(self, message: str = "scripted failure") -> None:
+        self.send.send_nowait(("fail", message))
+
+
+class ScriptedAdapter(Adapter):
+    """Each run streams what its :class:`Script` is told; it blocks until then."""
+
+    kind = "scripted"
+
+    def __init__(self, name: str = "scripted", *, max_concurrency: int | None = None) -> None:
+        super().__init__(name, capabilities=Capabilities(max_concurrency=max_concurrency))
+        self.scripts: dict[str, Script] = {}
+        self.started: list[str] = []
+
+    def script(self, run_id: str) -> Script:
+        return self.scripts[run_id]
+
+    @property
+    def open_streams(self) -> list[str]:
+        return [s.run_id for s in self.scripts.values() if not s.closed]
+
+    @asynccontextmanager
+    async def open_stream(self, request: AdapterRequest) -> AsyncIterator[AsyncIterator[Chunk]]:
+        send, receive = trio.open_memory_channel[tuple[str, str]](math.inf)
+        script = Script(request.run_id, send)
+        self.scripts[request.run_id] = script
+        self.started.append(request.run_id)
+        chunks = self._chunks(receive)
+        try:
+            yield chunks
+        finally:
+            script.closed = True
+            await chunks.aclose()
+
+    async def _chunks(
+        self, receive: trio.MemoryReceiveChannel[tuple[str, str]]
+    ) -> AsyncGenerator[Chunk, None]:
+        async for what, text in receive:
+            if what == "delta":
+                yield Delta(text)
+            elif what == "fail":
+                raise AdapterError("engine_error", text)
+            else:
+                yield Completion(Usage("stop"))
+                return

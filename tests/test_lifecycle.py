@@ -1,0 +1,111 @@
+import pytest
+
+from iop_trio.runtime.lifecycle import (
+    TRANSITIONS,
+    EventKind,
+    IllegalTransition,
+    RunState,
+    RunStatus,
+    check_transition,
+    interruption,
+)
+
+ALLOWED = {
+    (None, RunStatus.QUEUED),
+    (RunStatus.QUEUED, RunStatus.RUNNING),
+    (RunStatus.QUEUED, RunStatus.REJECTED),
+    (RunStatus.QUEUED, RunStatus.CANCELLED),
+    (RunStatus.QUEUED, RunStatus.INTERRUPTED),
+    (RunStatus.RUNNING, RunStatus.SUCCEEDED),
+    (RunStatus.RUNNING, RunStatus.FAILED),
+    (RunStatus.RUNNING, RunStatus.CANCELLED),
+    (RunStatus.RUNNING, RunStatus.INTERRUPTED),
+}
+
+
+@pytest.mark.parametrize("old", [None, *RunStatus])
+@pytest.mark.parametrize("new", list(RunStatus))
+def test_transition_table_is_the_design(old, new):
+    assert (new in TRANSITIONS[old]) == ((old, new) in ALLOWED)
+    if (old, new) in ALLOWED:
+        check_transition("r", old, new)
+    else:
+        with pytest.raises(IllegalTransition, match="illegal transition"):
+            check_transition("r", old, new)
+
+
+def test_terminal_statuses_have_no_way_out():
+    for status in RunStatus:
+        assert status.terminal == (status not in (RunStatus.QUEUED, RunStatus.RUNNING))
+        assert status.terminal == (not TRANSITIONS[status])
+
+
+def make(**kw):
+    return RunState.create(run_id="r1", target="echo/m", background=False, time=1.0, **kw)
+
+
+def test_events_are_numbered_and_fold_into_the_record():
+    state, first = make()
+    assert (first.seq, first.kind) == (1, EventKind.QUEUED)
+    started = state.transition(RunStatus.RUNNING, time=2.0)
+    d1 = state.delta("a", time=2.5)
+    done = state.transition(RunStatus.SUCCEEDED, time=3.0)
+    assert [e.seq for e in (first, started, d1, done)] == [1, 2, 3, 4]
+    assert [e.kind for e in (started, d1, done)] == [
+        EventKind.STARTED,
+        EventKind.DELTA,
+        EventKind.SUCCEEDED,
+    ]
+    record = state.record
+    assert (record.status, record.started, record.finished, record.last_seq) == (
+        RunStatus.SUCCEEDED,
+        2.0,
+        3.0,
+        4,
+    )
+
+
+def test_illegal_moves_raise_and_change_nothing():
+    state, _ = make()
+    with pytest.raises(IllegalTransition):
+        state.transition(RunStatus.SUCCEEDED, time=2.0)
+    with pytest.raises(ValueError, match="delta while queued"):
+        state.delta("x", time=2.0)
+    assert (state.status, state.record.last_seq) == (RunStatus.QUEUED, 1)
+    state.transition(RunStatus.CANCELLED, time=2.0, reason="cancelled")
+    for new in RunStatus:
+        with pytest.raises(IllegalTransition):
+            state.transition(new, time=3.0)
+    assert (state.status, state.record.last_seq) == (RunStatus.CANCELLED, 2)
+
+
+def test_rejected_needs_a_known_reason():
+    state, _ = make()
+    with pytest.raises(ValueError, match="queue_full"):
+        state.transition(RunStatus.REJECTED, time=2.0, reason="because")
+    event = state.transition(RunStatus.REJECTED, time=2.0, reason="queue_full")
+    assert (event.kind, event.reason, state.record.reason) == (
+        EventKind.REJECTED,
+        "queue_full",
+        "queue_full",
+    )
+
+
+def test_apply_refuses_a_gap_in_seq():
+    state, _ = make()
+    state.transition(RunStatus.RUNNING, time=2.0)
+    other, _ = make()
+    other.transition(RunStatus.RUNNING, time=2.0)
+    other.delta("x", time=2.0)
+    late = other.delta("y", time=2.0)
+    with pytest.raises(ValueError, match="seq 4 after 2"):
+        state.record.apply(late)
+
+
+def test_interruption_only_for_live_runs():
+    state, _ = make()
+    event = interruption(state.record, time=5.0, message="restart")
+    assert (event.seq, event.kind, event.reason) == (2, EventKind.INTERRUPTED, "node_restart")
+    state.record.apply(event)
+    with pytest.raises(IllegalTransition):
+        interruption(state.record, time=6.0, message="again")

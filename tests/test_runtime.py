@@ -1,0 +1,558 @@
+"""Deterministic ordering tests of the gate and run manager (no sleeps, MockClock)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import trio
+import trio.testing
+
+from iop_trio.adapters import AdapterError, EchoAdapter
+from iop_trio.runtime import (
+    AdapterSlot,
+    EventKind,
+    InvalidRequest,
+    Node,
+    NodeUnavailable,
+    RunSpec,
+    RunState,
+    RunStatus,
+    RuntimeLimits,
+    TargetSpec,
+    UnknownRun,
+    UnknownTarget,
+)
+from iop_trio.store import MemoryStore
+
+from .support import ScriptedAdapter
+
+A = "scripted/a"
+B = "scripted/b"
+
+
+def make_node(
+    *,
+    concurrency: int = 8,
+    max_queued: int = 100,
+    queue_timeout: float = 60.0,
+    a_limit: int = 1,
+    b_limit: int = 1,
+    adapter_limit: int | None = None,
+    max_concurrency: int | None = None,
+    store: MemoryStore | None = None,
+    final_write_timeout: float = 10.0,
+) -> tuple[Node, ScriptedAdapter]:
+    adapter = ScriptedAdapter(max_concurrency=max_concurrency)
+    node = Node(
+        node_id="test",
+        adapters=[AdapterSlot(adapter, adapter_limit)],
+        targets=[
+            TargetSpec("scripted", "a", concurrency=a_limit),
+            TargetSpec("scripted", "b", concurrency=b_limit),
+        ],
+        limits=RuntimeLimits(
+            concurrency=concurrency,
+            max_queued=max_queued,
+            queue_timeout=queue_timeout,
+            final_write_timeout=final_write_timeout,
+        ),
+        store=store or MemoryStore(),
+    )
+    return node, adapter
+
+
+@pytest.fixture
+async def node_and_adapter() -> AsyncIterator[tuple[Node, ScriptedAdapter]]:
+    node, adapter = make_node()
+    async with node.running():
+        yield node, adapter
+
+
+async def submit(node: Node, target: str = A, **kw: object) -> str:
+    submitted = await node.manager.submit(RunSpec(target, "p", **kw))  # type: ignore[arg-type]
+    await trio.testing.wait_all_tasks_blocked()
+    return submitted.record.run_id
+
+
+async def status(node: Node, run_id: str) -> RunStatus:
+    record = await node.store.get(run_id)
+    assert record is not None
+    return record.status
+
+
+async def kinds(node: Node, run_id: str) -> list[EventKind]:
+    return [e.kind for e in await node.store.events(run_id)]
+
+
+def borrowed(node: Node) -> tuple[int, int, int, int]:
+    s = node.gate.statistics()
+    return (
+        s.targets[A].borrowed,
+        s.targets[B].borrowed,
+        s.adapters["scripted"].borrowed,
+        s.global_.borrowed,
+    )
+
+
+async def test_queued_is_stored_before_the_ack(node_and_adapter):
+    node, _ = node_and_adapter
+    submitted = await node.manager.submit(RunSpec(A, "p"))
+    # no wait: the record must already be in the store when submit returns
+    stored = await node.store.get(submitted.record.run_id)
+    assert stored is not None
+    assert submitted.record.status is RunStatus.QUEUED
+    assert (await node.store.events(submitted.record.run_id))[0].kind is EventKind.QUEUED
+
+
+async def test_limit_1_second_run_queues_then_times_out(autojump_clock):
+    node, adapter = make_node(queue_timeout=5.0)
+    async with node.running():
+        first = await submit(node)
+        second = await submit(node)
+        assert await status(node, first) is RunStatus.RUNNING
+        assert await status(node, second) is RunStatus.QUEUED
+        assert node.gate.queued == 1
+        start = trio.current_time()
+        await node.manager.watch(second).__anext__()  # the queued event
+        async for event in node.manager.watch(second, after_seq=1):
+            last = event
+        assert trio.current_time() - start == pytest.approx(5.0)
+        assert (last.kind, last.reason) == (EventKind.REJECTED, "queue_timeout")
+        assert await status(node, second) is RunStatus.REJECTED
+        assert await kinds(node, second) == [EventKind.QUEUED, EventKind.REJECTED]
+        assert adapter.started == [first]
+        assert node.gate.queued == 0
+        assert borrowed(node) == (1, 0, 1, 1)
+
+
+async def test_limit_1_second_run_starts_when_first_ends():
+    node, adapter = make_node()
+    async with node.running():
+        runs = [await submit(node) for _ in range(3)]
+        assert [await status(node, r) for r in runs] == [
+            RunStatus.RUNNING,
+            RunStatus.QUEUED,
+            RunStatus.QUEUED,
+        ]
+        adapter.script(runs[0]).finish()
+        await trio.testing.wait_all_tasks_blocked()
+        assert [await status(node, r) for r in runs] == [
+            RunStatus.SUCCEEDED,
+            RunStatus.RUNNING,
+            RunStatus.QUEUED,
+        ]
+        adapter.script(runs[1]).fail("boom")
+        await trio.testing.wait_all_tasks_blocked()
+        assert await status(node, runs[1]) is RunStatus.FAILED
+        assert await status(node, runs[2]) is RunStatus.RUNNING
+        assert adapter.started == runs  # FIFO
+        record = await node.store.get(runs[1])
+        assert record is not None
+        assert (record.reason, record.message) == ("engine_error", "boom")
+
+
+async def test_background_runs_take_the_same_gate(node_and_adapter):
+    node, adapter = node_and_adapter
+    fg = await submit(node)
+    bg = await submit(node, background=True)
+    assert await status(node, bg) is RunStatus.QUEUED
+    adapter.script(fg).finish()
+    await trio.testing.wait_all_tasks_blocked()
+    assert await status(node, bg) is RunStatus.RUNNING
+    fg2 = await submit(node)
+    assert await status(node, fg2) is RunStatus.QUEUED
+    assert borrowed(node) == (1, 0, 1, 1)
+
+
+async def test_cancel_while_queued_never_starts(node_and_adapter):
+    node, adapter = node_and_adapter
+    first = await submit(node)
+    second = await submit(node)
+    outcome = await node.manager.cancel(second)
+    assert (outcome.status, outcome.cancelled) == (RunStatus.CANCELLED, True)
+    assert await kinds(node, second) == [EventKind.QUEUED, EventKind.CANCELLED]
+    assert node.gate.queued == 0
+    adapter.script(first).finish()
+    await trio.testing.wait_all_tasks_blocked()
+    assert adapter.started == [first]
+    assert borrowed(node) == (0, 0, 0, 0)
+
+
+async def test_cancel_while_running_closes_the_adapter_stream(node_and_adapter):
+    node, adapter = node_and_adapter
+    first = await submit(node)
+    second = await submit(node)
+    adapter.script(first).delta("partial")
+    await trio.testing.wait_all_tasks_blocked()
+    assert adapter.open_streams == [first]
+    outcome = await node.manager.cancel(first, reason="user asked")
+    assert (outcome.status, outcome.cancelled) == (RunStatus.CANCELLED, True)
+    assert adapter.scripts[first].closed
+    assert await kinds(node, first) == [
+        EventKind.QUEUED,
+        EventKind.STARTED,
+        EventKind.DELTA,
+        EventKind.CANCELLED,
+    ]
+    record = await node.store.get(first)
+    assert record is not None and record.reason == "user asked"
+    await trio.testing.wait_all_tasks_blocked()
+    assert await status(node, second) is RunStatus.RUNNING  # the token went on
+    assert borrowed(node) == (1, 0, 1, 1)
+
+
+async def test_cancel_of_an_ended_or_unknown_run(node_and_adapter):
+    node, adapter = node_and_adapter
+    run = await submit(node)
+    adapter.script(run).finish()
+    await trio.testing.wait_all_tasks_blocked()
+    outcome = await node.manager.cancel(run)
+    assert (outcome.status, outcome.cancelled) == (RunStatus.SUCCEEDED, False)
+    with pytest.raises(UnknownRun):
+        await node.manager.cancel("nope")
+
+
+async def test_queue_full_rejects_at_once():
+    node, _adapter = make_node(max_queued=1)
+    async with node.running():
+        await submit(node)
+        queued = await submit(node)
+        full = await submit(node)
+        assert await status(node, queued) is RunStatus.QUEUED
+        record = await node.store.get(full)
+        assert record is not None
+        assert (record.status, record.reason) == (RunStatus.REJECTED, "queue_full")
+        assert await kinds(node, full) == [EventKind.QUEUED, EventKind.REJECTED]
+        # the queue bound is node-wide: a run of another target that must wait is refused too
+        await submit(node, B)
+        other = await submit(node, B)
+        assert await status(node, other) is RunStatus.REJECTED
+
+
+async def test_queue_timeout_zero_rejects_at_once():
+    node, _ = make_node(queue_timeout=0)
+    async with node.running():
+        await submit(node)
+        second = await submit(node)
+        record = await node.store.get(second)
+        assert record is not None
+        assert (record.status, record.reason) == (RunStatus.REJECTED, "queue_timeout")
+
+
+async def test_a_full_target_does_not_block_another():
+    node, _adapter = make_node(concurrency=2)
+    async with node.running():
+        a1 = await submit(node, A)
+        a2 = await submit(node, A)
+        b1 = await submit(node, B)
+        assert [await status(node, r) for r in (a1, a2, b1)] == [
+            RunStatus.RUNNING,
+            RunStatus.QUEUED,
+            RunStatus.RUNNING,
+        ]
+        assert borrowed(node) == (1, 1, 2, 2)
+
+
+async def test_global_token_goes_to_the_oldest_eligible_run():
+    node, adapter = make_node(concurrency=1, a_limit=2, b_limit=2)
+    async with node.running():
+        a1 = await submit(node, A)
+        b1 = await submit(node, B)
+        a2 = await submit(node, A)
+        adapter.script(a1).finish()
+        await trio.testing.wait_all_tasks_blocked()
+        assert await status(node, b1) is RunStatus.RUNNING
+        assert await status(node, a2) is RunStatus.QUEUED
+        adapter.script(b1).finish()
+        await trio.testing.wait_all_tasks_blocked()
+        assert await status(node, a2) is RunStatus.RUNNING
+        assert adapter.started == [a1, b1, a2]
+
+
+async def test_adapter_limit_is_the_min_of_config_and_capability():
+    node, _adapter = make_node(adapter_limit=3, max_concurrency=1, a_limit=5, b_limit=5)
+    async with node.running():
+        assert node.gate.adapter_limit("scripted") == 1
+        first = await submit(node, A)
+        second = await submit(node, B)
+        assert await status(node, first) is RunStatus.RUNNING
+        assert await status(node, second) is RunStatus.QUEUED
+        # raising the configured limit cannot go past the capability
+        assert node.set_limits(adapters={"scripted": 10}).adapters["scripted"] == 1
+        await trio.testing.wait_all_tasks_blocked()
+        assert await status(node, second) is RunStatus.QUEUED
+
+
+async def test_raising_a_limit_admits_waiting_runs_at_once(node_and_adapter):
+    node, _ = node_and_adapter
+    runs = [await submit(node) for _ in range(3)]
+    limits = node.set_limits(targets={A: 3})
+    assert limits.targets[A] == 3
+    await trio.testing.wait_all_tasks_blocked()
+    assert [await status(node, r) for r in runs] == [RunStatus.RUNNING] * 3
+
+
+async def test_lowering_a_limit_lets_holders_finish():
+    node, adapter = make_node(a_limit=3)
+    async with node.running():
+        runs = [await submit(node) for _ in range(4)]
+        node.set_limits(targets={A: 1})
+        await trio.testing.wait_all_tasks_blocked()
+        assert [await status(node, r) for r in runs[:3]] == [RunStatus.RUNNING] * 3
+        adapter.script(runs[0]).finish()
+        adapter.script(runs[1]).finish()
+        await trio.testing.wait_all_tasks_blocked()
+        assert await status(node, runs[3]) is RunStatus.QUEUED  # 1 still holds, limit 1
+        adapter.script(runs[2]).finish()
+        await trio.testing.wait_all_tasks_blocked()
+        assert await status(node, runs[3]) is RunStatus.RUNNING
+
+
+async def test_limit_zero_pauses_a_target(node_and_adapter):
+    node, _ = node_and_adapter
+    node.set_limits(targets={A: 0})
+    run = await submit(node)
+    assert await status(node, run) is RunStatus.QUEUED
+    node.set_limits(targets={A: 1})
+    await trio.testing.wait_all_tasks_blocked()
+    assert await status(node, run) is RunStatus.RUNNING
+
+
+async def test_set_limits_checks_everything_first(node_and_adapter):
+    node, _ = node_and_adapter
+    before = node.limits()
+    with pytest.raises(KeyError, match="target 'nope/x'"):
+        node.set_limits(concurrency=1, targets={"nope/x": 1})
+    with pytest.raises(ValueError, match="must be an integer"):
+        node.set_limits(concurrency=2, targets={A: -1})
+    assert node.limits() == before
+
+
+async def test_unknown_target_and_bad_run_id_create_nothing(node_and_adapter):
+    node, _ = node_and_adapter
+    with pytest.raises(UnknownTarget, match="nope/x"):
+        await node.manager.submit(RunSpec("nope/x", "p"))
+    with pytest.raises(InvalidRequest, match="run_id"):
+        await node.manager.submit(RunSpec(A, "p", run_id="bad id!"))
+    assert await node.store.list_runs() == []
+
+
+async def test_a_known_run_id_returns_that_run(node_and_adapter):
+    node, _adapter = node_and_adapter
+    first = await node.manager.submit(RunSpec(A, "p", run_id="job-1"))
+    again = await node.manager.submit(RunSpec(A, "other", run_id="job-1"))
+    assert (first.existing, again.existing) == (False, True)
+    assert again.record.run_id == "job-1"
+    assert len(await node.store.list_runs()) == 1
+
+
+async def test_abandon_cancels_foreground_runs_only(node_and_adapter):
+    node, _adapter = node_and_adapter
+    fg = (await node.manager.submit(RunSpec(A, "p"), owner="s1")).record.run_id
+    bg = (await node.manager.submit(RunSpec(B, "p", background=True), owner="s1")).record.run_id
+    other = (await node.manager.submit(RunSpec(B, "p"), owner="s2")).record.run_id
+    await trio.testing.wait_all_tasks_blocked()
+    assert node.manager.abandon("s1") == [fg]
+    await trio.testing.wait_all_tasks_blocked()
+    record = await node.store.get(fg)
+    assert record is not None
+    assert (record.status, record.reason) == (RunStatus.CANCELLED, "session_lost")
+    assert await status(node, bg) is RunStatus.RUNNING
+    assert await status(node, other) is RunStatus.QUEUED
+
+
+async def test_node_exit_cancels_live_runs_and_records_it():
+    store = MemoryStore()
+    node, adapter = make_node(store=store)
+    async with node.running():
+        running = await submit(node)
+        queued = await submit(node)
+    for run_id in (running, queued):
+        record = await store.get(run_id)
+        assert record is not None
+        assert (record.status, record.reason) == (RunStatus.CANCELLED, "node_shutdown")
+    assert adapter.open_streams == []
+    assert borrowed(node) == (0, 0, 0, 0)
+
+
+async def test_an_exception_in_the_body_propagates_as_itself():
+    node, _ = make_node()
+    with pytest.raises(ZeroDivisionError):
+        async with node.running():
+            await submit(node)
+            1 / 0  # noqa: B018
+
+
+async def test_start_marks_unfinished_runs_interrupted():
+    store = MemoryStore()
+    left: dict[str, RunStatus] = {}
+    for run_id, started in (("was-queued", False), ("was-running", True)):
+        state, first = RunState.create(run_id=run_id, target=A, background=True, time=1.0)
+        await store.create(state.record, first)
+        if started:
+            await store.append(state.transition(RunStatus.RUNNING, time=2.0))
+        left[run_id] = state.status
+    node, _ = make_node(store=store)
+    async with node.running():
+        for run_id in left:
+            record = await store.get(run_id)
+            assert record is not None
+            assert (record.status, record.reason) == (RunStatus.INTERRUPTED, "node_restart")
+            assert (await kinds(node, run_id))[-1] is EventKind.INTERRUPTED
+    assert left == {"was-queued": RunStatus.QUEUED, "was-running": RunStatus.RUNNING}
+
+
+class SlowFinalStore(MemoryStore):
+    """A store whose terminal writes take ``delay`` seconds (or forever)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    async def append(self, event):  # type: ignore[no-untyped-def]
+        self.append_nowait(event)
+        if event.kind.terminal:
+            await trio.sleep(self.delay)
+
+
+async def test_final_status_is_written_shielded(autojump_clock):
+    store = SlowFinalStore(delay=3.0)
+    node, _adapter = make_node(store=store)
+    async with node.running():
+        run = await submit(node)
+        with trio.move_on_after(1.0):
+            # the canceller gives up waiting; the write must go on regardless
+            await node.manager.cancel(run)
+        await node.manager.wait_idle()
+        assert await status(node, run) is RunStatus.CANCELLED
+
+
+async def test_final_write_is_bounded(autojump_clock):
+    store = SlowFinalStore(delay=float("inf"))
+    node, _adapter = make_node(store=store, final_write_timeout=2.0)
+    async with node.running():
+        run = await submit(node)
+        start = trio.current_time()
+        await node.manager.cancel(run)
+        assert trio.current_time() - start == pytest.approx(2.0)
+        assert node.manager.live_count() == 0
+        assert borrowed(node) == (0, 0, 0, 0)
+
+
+class FailingCreateStore(MemoryStore):
+    async def create(self, record, event):  # type: ignore[no-untyped-def]
+        await trio.lowlevel.checkpoint()
+        raise OSError("disk full")
+
+
+async def test_a_run_the_store_refuses_is_not_acknowledged():
+    node, adapter = make_node(store=FailingCreateStore())
+    async with node.running():
+        with pytest.raises(OSError, match="disk full"):
+            await node.manager.submit(RunSpec(A, "p"))
+        assert node.manager.live_count() == 0
+        assert adapter.started == []
+
+
+async def test_draining_refuses_new_runs_and_cancels_stragglers(autojump_clock):
+    node, _adapter = make_node()
+    async with node.running():
+        run = await submit(node)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(node.manager.drain, 5.0)
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(NodeUnavailable):
+                await node.manager.submit(RunSpec(A, "p"))
+        record = await node.store.get(run)
+        assert record is not None
+        assert (record.status, record.reason) == (RunStatus.CANCELLED, "node_draining")
+
+
+async def test_watch_follows_a_live_run_and_replays_an_ended_one(node_and_adapter):
+    node, adapter = node_and_adapter
+    run = await submit(node)
+    seen: list[str] = []
+
+    async def follow() -> None:
+        async for event in node.manager.watch(run):
+            seen.append(event.text or event.kind.value)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(follow)
+        await trio.testing.wait_all_tasks_blocked()
+        adapter.script(run).delta("x")
+        adapter.script(run).delta("y")
+        adapter.script(run).finish()
+    assert seen == ["queued", "started", "x", "y", "succeeded"]
+    replay = [e.seq async for e in node.manager.watch(run, after_seq=3)]
+    assert replay == [4, 5]
+
+
+class BrokenAdapter(ScriptedAdapter):
+    def open_stream(self, request):  # type: ignore[no-untyped-def]
+        raise RuntimeError("bug in adapter")
+
+
+async def test_a_buggy_adapter_fails_its_run_and_the_node_goes_on():
+    adapter = BrokenAdapter(name="broken")
+    echo = EchoAdapter()
+    node = Node(
+        node_id="t",
+        adapters=[adapter, echo],
+        targets=[TargetSpec("broken", "m"), TargetSpec("echo", "m")],
+    )
+    async with node.running():
+        bad = (await node.manager.submit(RunSpec("broken/m", "p"))).record.run_id
+        good = (await node.manager.submit(RunSpec("echo/m", "hello world"))).record.run_id
+        await node.manager.wait_idle()
+        bad_record = await node.store.get(bad)
+        assert bad_record is not None
+        assert (bad_record.status, bad_record.reason) == (RunStatus.FAILED, "internal")
+        assert "bug in adapter" in bad_record.message
+        assert await status(node, good) is RunStatus.SUCCEEDED
+
+
+async def test_echo_streams_words_and_can_fail(autojump_clock):
+    echo = EchoAdapter(delay=0.5)
+    node = Node(node_id="t", adapters=[echo], targets=[TargetSpec("echo", "m", concurrency=4)])
+    async with node.running():
+        ok = (await node.manager.submit(RunSpec("echo/m", "one two  three"))).record.run_id
+        bad = (
+            await node.manager.submit(
+                RunSpec("echo/m", "a b c", options={"fail_after": 2, "fail_message": "nope"})
+            )
+        ).record.run_id
+        start = trio.current_time()
+        await node.manager.wait_idle()
+        assert trio.current_time() - start == pytest.approx(1.5)
+        texts = [e.text for e in await node.store.events(ok) if e.kind is EventKind.DELTA]
+        assert texts == ["one ", "two  ", "three"]
+        events = await node.store.events(bad)
+        assert [e.text for e in events if e.kind is EventKind.DELTA] == ["a ", "b "]
+        assert (events[-1].kind, events[-1].reason, events[-1].message) == (
+            EventKind.FAILED,
+            "engine_error",
+            "nope",
+        )
+        assert echo.active == 0
+        assert echo.opened == 2
+
+
+def test_bad_node_config_is_refused():
+    with pytest.raises(ValueError, match="adapter 'nope'"):
+        Node(node_id="t", adapters=[EchoAdapter()], targets=[TargetSpec("nope", "m")])
+    with pytest.raises(ValueError, match="configured twice"):
+        Node(
+            node_id="t",
+            adapters=[EchoAdapter()],
+            targets=[TargetSpec("echo", "m"), TargetSpec("echo", "m")],
+        )
+    with pytest.raises(ValueError, match="concurrency"):
+        Node(
+            node_id="t", adapters=[EchoAdapter()], targets=[TargetSpec("echo", "m", concurrency=-1)]
+        )
+
+
+def test_adapter_error_repr():
+    assert repr(AdapterError("timeout", "slow")) == "AdapterError('timeout', 'slow')"
