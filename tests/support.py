@@ -18,7 +18,7 @@ from iop_trio.adapters.base import (
     Completion,
     Delta,
 )
-from iop_trio.runtime.lifecycle import Usage
+from iop_trio.adapters.base import Usage
 
 
 @attrs.define(eq=False)

@@ -8,6 +8,7 @@ from .base import (
     Chunk,
     Completion,
     Delta,
+    Usage,
 )
 from .echo import EchoAdapter
 from .registry import AdapterRegistry, default_registry
@@ -21,6 +22,7 @@ __all__ = [
     "Chunk",
     "Completion",
     "Delta",
+    "Usage",
     "EchoAdapter",
     "default_registry",
 ]

@@ -18,7 +18,14 @@ from typing import Any, ClassVar
 
 import attrs
 
-from ..runtime.lifecycle import Usage
+
+@attrs.frozen
+class Usage:
+    """What the engine reported at the end of a run (fields it did not report are None)."""
+
+    done_reason: str = ""
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
 
 
 @attrs.frozen

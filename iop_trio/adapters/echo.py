@@ -20,8 +20,16 @@ from typing import Any
 
 import trio
 
-from ..runtime.lifecycle import Usage
-from .base import Adapter, AdapterError, AdapterRequest, Capabilities, Chunk, Completion, Delta
+from .base import (
+    Adapter,
+    AdapterError,
+    AdapterRequest,
+    Capabilities,
+    Chunk,
+    Completion,
+    Delta,
+    Usage,
+)
 
 _WORD = re.compile(r"\S+\s*|\s+")
 

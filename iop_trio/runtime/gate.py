@@ -58,7 +58,7 @@ class _Ticket:
     borrower: object
     lane: _Lane
     order: int
-    wakeup: trio.Event = attrs.field(factory=trio.Event)
+    task: trio.lowlevel.Task | None = None  # set while waiting
     granted: bool = False
 
 
@@ -304,9 +304,8 @@ class Gate:
         ``borrower`` names the holder in the limiters (it must not hold a
         token of them already). Raises :class:`UnknownTarget` at once for a
         target that is not registered. If cancelled while waiting the run
-        leaves the queue and holds nothing; if cancelled in the same instant
-        it was granted, the tokens are given back before Cancelled
-        propagates. Always a checkpoint.
+        leaves the queue and holds nothing; a run granted in the same instant
+        its deadline passed keeps its permit. Always a checkpoint.
         """
         lane = self._lane(target)
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -328,19 +327,19 @@ class Gate:
         if timeout <= 0:
             await trio.lowlevel.cancel_shielded_checkpoint()
             raise GateRejected(RejectReason.QUEUE_TIMEOUT, "no capacity and queue_timeout is 0")
+        ticket.task = trio.lowlevel.current_task()
         self._enqueue(ticket)
-        try:
-            with trio.move_on_after(timeout):
-                await ticket.wakeup.wait()
-        except BaseException:
-            # cancelled from outside: leave the queue, or give back what we were granted
-            if ticket.granted:
-                self._release(ticket)
-            else:
-                self._dequeue(ticket)
-            raise
-        if not ticket.granted:
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            # a deadline or an outside cancel: a granted ticket's task has been
+            # rescheduled already and is never aborted, so this one still waits
             self._dequeue(ticket)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        with trio.move_on_after(timeout):
+            await trio.lowlevel.wait_task_rescheduled(abort)
+        ticket.task = None
+        if not ticket.granted:
             raise GateRejected(
                 RejectReason.QUEUE_TIMEOUT, f"no capacity on {target} within {timeout:g}s"
             )
@@ -399,4 +398,5 @@ class Gate:
                 return
             self._dequeue(best)
             self._grant(best)
-            best.wakeup.set()
+            assert best.task is not None
+            trio.lowlevel.reschedule(best.task)

@@ -14,10 +14,13 @@ the next ``seq``. This module does no I/O.
 from __future__ import annotations
 
 import enum
+import types
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
+
+from ..adapters.base import Usage as Usage  # re-exported: events carry it
 
 
 class RunStatus(enum.Enum):
@@ -77,6 +80,8 @@ class RejectReason(enum.Enum):
     QUEUE_TIMEOUT = "queue_timeout"
 
 
+_NO_OPTIONS: Mapping[str, Any] = types.MappingProxyType({})
+
 # The one transition table. ``None`` is "not yet created".
 TRANSITIONS: Mapping[RunStatus | None, frozenset[RunStatus]] = {
     None: frozenset({RunStatus.QUEUED}),
@@ -108,15 +113,6 @@ def check_transition(run_id: str, old: RunStatus | None, new: RunStatus) -> None
     """Raise :class:`IllegalTransition` unless ``old -> new`` is in the table."""
     if new not in TRANSITIONS[old]:
         raise IllegalTransition(run_id, old, new)
-
-
-@attrs.frozen
-class Usage:
-    """What the engine reported at the end of a run (fields it did not report are None)."""
-
-    done_reason: str = ""
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
 
 
 @attrs.frozen
@@ -230,7 +226,7 @@ class RunState:
             created=time,
             prompt=prompt,
             messages=messages,
-            options=dict(options or {}),
+            options=dict(options) if options else _NO_OPTIONS,
         )
         event = RunEvent(run_id, 1, EventKind.QUEUED, time)
         record.last_seq = 1

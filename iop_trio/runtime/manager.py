@@ -110,23 +110,46 @@ class _Outcome:
 
 @attrs.define(eq=False, repr=False)
 class _LiveRun:
-    """A run whose task is alive: its state, cancel scope and events for watchers."""
+    """A run whose task is alive: its state, cancel scope and events for watchers.
+
+    ``ended`` is set once the final event is published (and its write done
+    or given up). The wakeup Event is made only when somebody waits, which
+    keeps a queued run small.
+    """
 
     state: RunState
     owner: Hashable | None
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     cancel_reason: str = ""
     events: list[RunEvent] = attrs.field(factory=list)
-    changed: trio.Event = attrs.field(factory=trio.Event)
-    done: trio.Event = attrs.field(factory=trio.Event)
+    ended: bool = False
+    _changed: trio.Event | None = None
 
     def __repr__(self) -> str:
         return f"<LiveRun {self.state.record!r}>"
 
     def publish(self, event: RunEvent) -> None:
         self.events.append(event)
-        self.changed.set()
-        self.changed = trio.Event()
+        self._wake()
+
+    def end(self) -> None:
+        self.ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def wait_changed(self) -> None:
+        """Wait for the next event or the end."""
+        if self._changed is None:
+            self._changed = trio.Event()
+        await self._changed.wait()
+
+    async def wait_ended(self) -> None:
+        while not self.ended:
+            await self.wait_changed()
 
 
 class RunWatcher:
@@ -165,9 +188,9 @@ class RunWatcher:
             event = live.events[self.next_seq - 1]
         else:
             while len(live.events) < self.next_seq:
-                if live.done.is_set():
+                if live.ended:
                     raise StopAsyncIteration
-                await live.changed.wait()
+                await live.wait_changed()
             event = live.events[self.next_seq - 1]
         self.next_seq = event.seq + 1
         return event
@@ -360,7 +383,7 @@ class RunManager:
         except Exception:
             log.exception("run %s: could not record final status %s", run_id, outcome.status)
         finally:
-            live.done.set()
+            live.end()
             self._forget(run_id)
 
     def _forget(self, run_id: str) -> None:
@@ -393,11 +416,11 @@ class RunManager:
         live = self._live.get(run_id)
         if live is not None and not live.scope.cancel_called:
             self.cancel_nowait(run_id, reason)
-            await live.done.wait()
+            await live.wait_ended()
             record = live.state.record
             return CancelOutcome(run_id, record.status, record.status is RunStatus.CANCELLED)
         if live is not None:
-            await live.done.wait()
+            await live.wait_ended()
             return CancelOutcome(run_id, live.state.record.status, False)
         stored = await self._store.get(run_id)
         if stored is None:
