@@ -23,15 +23,17 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Collection, Hashable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
 from ..adapters.base import Adapter, AdapterError, AdapterRequest, Delta
-from ..store.base import RunStore
 from .gate import Gate, GateRejected, UnknownTarget
 from .lifecycle import TRANSITIONS, RunEvent, RunRecord, RunState, RunStatus, Usage
+
+if TYPE_CHECKING:  # the store package imports the lifecycle from here
+    from ..store.base import RunStore
 
 log = logging.getLogger(__name__)
 

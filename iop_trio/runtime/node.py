@@ -17,16 +17,18 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
 
 from .. import __version__
 from ..adapters.base import Adapter, Capabilities
-from ..store.base import RunStore
-from ..store.memory import MemoryStore
 from .gate import Gate
 from .manager import RunManager, TargetSpec
+
+if TYPE_CHECKING:  # the store package imports the lifecycle from here
+    from ..store.base import RunStore
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +94,11 @@ class Node:
         self.node_id = node_id
         self.version = __version__
         self.runtime = limits or RuntimeLimits()
-        self.store: RunStore = store if store is not None else MemoryStore()
+        if store is None:
+            from ..store.memory import MemoryStore
+
+            store = MemoryStore()
+        self.store: RunStore = store
         self.gate = Gate(
             concurrency=self.runtime.concurrency,
             max_queued=self.runtime.max_queued,

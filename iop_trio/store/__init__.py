@@ -2,5 +2,6 @@
 
 from .base import RunStore, StoreError
 from .memory import MemoryStore
+from .sqlite import SqliteStore, SqliteStoreStatistics
 
-__all__ = ["MemoryStore", "RunStore", "StoreError"]
+__all__ = ["MemoryStore", "RunStore", "SqliteStore", "SqliteStoreStatistics", "StoreError"]

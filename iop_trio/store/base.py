@@ -26,7 +26,9 @@ class RunStore(abc.ABC):
     async def create(self, record: RunRecord, event: RunEvent) -> None:
         """Store a new run and its first (QUEUED) event. Durable when it returns.
 
-        Raises StoreError if a run with that id exists.
+        Raises StoreError if a run with that id exists, or if ``event`` is not
+        the QUEUED event of ``record`` (same run_id, seq 1, record QUEUED with
+        ``last_seq`` 1); then nothing is stored.
         """
 
     @abc.abstractmethod
@@ -50,7 +52,10 @@ class RunStore(abc.ABC):
         target: str = "",
         limit: int = 100,
     ) -> list[RunRecord]:
-        """Runs, newest first; empty ``statuses`` / ``target`` match any."""
+        """Runs, newest (last created) first; empty ``statuses`` / ``target`` match any.
+
+        At most ``limit`` runs; none for ``limit`` <= 0.
+        """
 
     @abc.abstractmethod
     async def events(self, run_id: str, *, after_seq: int = 0) -> list[RunEvent]:
@@ -65,7 +70,10 @@ class RunStore(abc.ABC):
 
     @abc.abstractmethod
     async def prune(self, *, finished_before: float) -> int:
-        """Delete terminal runs that finished before the given unix time; return how many."""
+        """Delete terminal runs that finished before the given unix time; return how many.
+
+        Their events go with them. ``finished == finished_before`` is kept.
+        """
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Flush and release resources; the store is unusable afterwards."""

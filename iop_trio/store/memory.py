@@ -25,9 +25,15 @@ class MemoryStore(RunStore):
         await trio.lowlevel.checkpoint()
         if record.run_id in self._runs:
             raise StoreError(f"run {record.run_id} exists")
-        if event.seq != 1 or event.status is not RunStatus.QUEUED or record.last_seq != 1:
+        if (
+            event.run_id != record.run_id
+            or event.seq != 1
+            or event.status is not RunStatus.QUEUED
+            or record.status is not RunStatus.QUEUED
+            or record.last_seq != 1
+        ):
             raise StoreError(f"run {record.run_id} must start with a QUEUED event, seq 1")
-        self._runs[record.run_id] = attrs.evolve(record)
+        self._runs[record.run_id] = _copy(record)
         self._events[record.run_id] = [event]
 
     async def append(self, event: RunEvent) -> None:
@@ -47,7 +53,7 @@ class MemoryStore(RunStore):
     async def get(self, run_id: str) -> RunRecord | None:
         await trio.lowlevel.checkpoint()
         record = self._runs.get(run_id)
-        return None if record is None else attrs.evolve(record)
+        return None if record is None else _copy(record)
 
     async def list_runs(
         self,
@@ -59,11 +65,11 @@ class MemoryStore(RunStore):
         await trio.lowlevel.checkpoint()
         wanted = set(statuses)
         found = [
-            attrs.evolve(r)
+            _copy(r)
             for r in reversed(self._runs.values())
             if (not wanted or r.status in wanted) and (not target or r.target == target)
         ]
-        return found[:limit]
+        return found[: max(limit, 0)]
 
     async def events(self, run_id: str, *, after_seq: int = 0) -> list[RunEvent]:
         await trio.lowlevel.checkpoint()
@@ -90,3 +96,8 @@ class MemoryStore(RunStore):
             del self._runs[run_id]
             del self._events[run_id]
         return len(old)
+
+
+def _copy(record: RunRecord) -> RunRecord:
+    """A copy that shares no mutable state (``options``) with ``record``."""
+    return attrs.evolve(record, options=dict(record.options))

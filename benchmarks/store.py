@@ -1,0 +1,104 @@
+"""Run store throughput: events appended per second, and SQLite's group commit.
+
+    python benchmarks/store.py [--events N]
+
+For each store, N DELTA events are appended (each ``append`` returns once the
+event is durable), either by 1 task into one run or by 64 concurrent tasks,
+each into its own run. For SQLite (a file in a temporary directory, WAL) the
+table also shows the commits made and the mean batch size (appends per
+commit): with one writer every append pays a commit; with 64 they share them.
+``synchronous=FULL`` (an fsync per commit) is measured with N/5 events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sqlite3
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from iop_trio.runtime.lifecycle import RunState, RunStatus
+from iop_trio.store import MemoryStore, RunStore, SqliteStore
+
+
+async def running_run(store: RunStore, run_id: str) -> RunState:
+    state, first = RunState.create(run_id=run_id, target="bench/m", background=False, time=0.0)
+    await store.create(state.record, first)
+    await store.append(state.transition(RunStatus.RUNNING, time=0.0))
+    return state
+
+
+async def measure(store: RunStore, writers: int, events: int) -> tuple[float, str, str]:
+    """Append ``events`` deltas with ``writers`` tasks.
+
+    Returns events per second and, for SQLite, the commits made and the mean batch.
+    """
+    states = [await running_run(store, f"w{i}") for i in range(writers)]
+    each = events // writers
+
+    async def writer(state: RunState) -> None:
+        for i in range(each):
+            await store.append(state.delta("tok ", time=float(i)))
+
+    before = store.statistics() if isinstance(store, SqliteStore) else None
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for state in states:
+            nursery.start_soon(writer, state)
+    rate = each * writers / (time.perf_counter() - start)
+    if not isinstance(store, SqliteStore) or before is None:
+        return rate, "-", "-"
+    after = store.statistics()
+    commits = after.commits - before.commits
+    return rate, str(commits), f"{(after.jobs - before.jobs) / commits:.1f}"
+
+
+async def row(
+    name: str, make: Callable[[], RunStore], writers: int, events: int
+) -> tuple[str, int, int, float, str, str]:
+    store = make()
+    try:
+        rate, commits, batch = await measure(store, writers, events)
+    finally:
+        await store.aclose()
+    return name, writers, events, rate, commits, batch
+
+
+async def main(events: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        counter = iter(range(1_000_000))
+
+        def sqlite(synchronous: Literal["NORMAL", "FULL"]) -> Callable[[], RunStore]:
+            def make() -> RunStore:
+                return SqliteStore(Path(tmp) / f"{next(counter)}.db", synchronous=synchronous)
+
+            return make
+
+        rows = []
+        for writers in (1, 64):
+            rows.append(await row("MemoryStore", MemoryStore, writers, events))
+            rows.append(await row("SqliteStore NORMAL", sqlite("NORMAL"), writers, events))
+            rows.append(await row("SqliteStore FULL", sqlite("FULL"), writers, events // 5))
+
+    print(
+        f"python {sys.version.split()[0]}, trio {trio.__version__}, sqlite {sqlite3.sqlite_version}"
+    )
+    columns = ("store", "writers", "events", "events/s", "commits", "mean batch")
+    print("{:<20} {:>7} {:>7} {:>11} {:>8} {:>11}".format(*columns))
+    for name, writers, n, rate, commits, batch in rows:
+        print(f"{name:<20} {writers:>7} {n:>7} {rate:>11,.0f} {commits:>8} {batch:>11}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--events", type=int, default=6400, help="events per measurement")
+    args = parser.parse_args()
+    trio.run(main, args.events)

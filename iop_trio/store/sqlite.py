@@ -1,0 +1,839 @@
+"""A durable run store on SQLite (standard library :mod:`sqlite3`), with group commit.
+
+Design
+------
+
+One dedicated **writer thread** owns the only writing connection. Every
+write (``create``, ``append``, ``interrupt_unfinished``, ``prune``) is a job
+put on a thread-safe FIFO, synchronously, before the calling task's first
+checkpoint; the caller then parks in :func:`trio.lowlevel.wait_task_rescheduled`.
+The writer takes *everything* pending (up to ``max_batch`` jobs), runs it in
+one transaction, each job inside its own SAVEPOINT, commits once, and wakes
+the waiters with one :meth:`trio.lowlevel.TrioToken.run_sync_soon` call per
+Trio run. So one appender pays one commit, and 64 concurrent appenders share
+a few: the batch grows by itself while the previous commit is on its way,
+with no timer. A job that fails (a refused event, a duplicate run) is rolled
+back to its savepoint and raises :class:`StoreError` in its caller; the
+other jobs of the batch are committed.
+
+Each event is folded into the run's row with :meth:`RunRecord.apply` itself,
+in the writer, against the state committed before it (earlier jobs of the
+same batch included). The writer keeps the fold state of live runs in memory
+so that an append costs one INSERT and one UPDATE; it is dropped whenever a
+job or a transaction fails, and reloaded from the file.
+
+Reads (``get``, ``list_runs``, ``events``) run in Trio worker threads on a
+small pool of separate read-only connections. In WAL mode they never block
+the writer nor wait for it, and each read starts a fresh snapshot, so a read
+sees every write whose call has returned (those were committed first).
+
+Durability
+----------
+
+The database is in WAL mode with ``synchronous=NORMAL`` by default: a commit
+writes the WAL to the operating system without ``fsync``. What a returned
+call wrote survives a crash or SIGKILL of the process, but a power loss or
+OS crash may lose the last transactions before the next checkpoint (the
+database stays consistent: whole transactions are lost, never half of one).
+Pass ``synchronous="FULL"`` to fsync every commit (each batch) and survive
+power loss too, at the cost of throughput.
+
+Cancellation
+------------
+
+``append`` takes the event before its first checkpoint; if the caller is
+cancelled while waiting, the event is still written, in order. ``create``,
+``interrupt_unfinished`` and ``prune`` are all-or-nothing: cancelled before
+the writer has taken the job, nothing happens and :class:`trio.Cancelled` is
+raised; once taken, the call waits for the commit and returns normally (the
+cancellation is delivered at the caller's next checkpoint). Reads are not
+interrupted once their thread runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import os
+import sqlite3
+import threading
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, Generic, Literal, TypeVar, cast
+
+import attrs
+import trio
+
+from ..adapters.base import Usage
+from ..runtime.lifecycle import EventKind, RunEvent, RunRecord, RunStatus, interruption
+from .base import RunStore, StoreError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: The schema this code writes; PRAGMA user_version of the file.
+SCHEMA_VERSION = 1
+
+_SCHEMA = (
+    """
+    CREATE TABLE runs (
+        id INTEGER PRIMARY KEY,              -- creation order; newest first = id DESC
+        run_id TEXT NOT NULL UNIQUE,
+        target TEXT NOT NULL,
+        status TEXT NOT NULL,
+        background INTEGER NOT NULL,
+        created REAL NOT NULL,
+        prompt TEXT NOT NULL,
+        messages TEXT NOT NULL,              -- JSON [[role, content], ...]
+        options TEXT NOT NULL,               -- JSON object
+        started REAL,
+        finished REAL,
+        reason TEXT NOT NULL,
+        message TEXT NOT NULL,
+        last_seq INTEGER NOT NULL,
+        usage TEXT                           -- JSON object or NULL
+    )
+    """,
+    "CREATE INDEX runs_status ON runs (status, id)",
+    "CREATE INDEX runs_target ON runs (target, id)",
+    "CREATE INDEX runs_finished ON runs (finished)",
+    """
+    CREATE TABLE events (
+        run_id TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        kind TEXT NOT NULL,
+        time REAL NOT NULL,
+        text TEXT NOT NULL,
+        reason TEXT NOT NULL,
+        message TEXT NOT NULL,
+        usage TEXT,                          -- JSON object or NULL
+        PRIMARY KEY (run_id, seq)
+    ) WITHOUT ROWID
+    """,
+)
+
+_RUN_COLUMNS = (
+    "run_id, target, status, background, created, prompt, messages, options, "
+    "started, finished, reason, message, last_seq, usage"
+)
+_EVENT_COLUMNS = "run_id, seq, kind, time, text, reason, message, usage"
+# Folding reads and writes only the columns RunRecord.apply() looks at or
+# changes, so a delta does not reload a long prompt or chat history.
+_FOLD_COLUMNS = "run_id, status, last_seq, started, finished, reason, message, usage"
+_LIVE = (RunStatus.QUEUED.value, RunStatus.RUNNING.value)
+_TERMINAL = tuple(s.value for s in RunStatus if s.terminal)
+
+
+@attrs.frozen
+class SqliteStoreStatistics:
+    """Counters of a :class:`SqliteStore`, for tests, benchmarks and debugging.
+
+    * ``commits``: transactions the writer committed (one per batch).
+    * ``jobs``: write calls the writer has run (refused ones and failed batches too).
+    * ``events``: events written (a ``create`` writes one).
+    * ``pending``: write calls waiting for the writer to take them.
+    """
+
+    commits: int
+    jobs: int
+    events: int
+    pending: int
+
+    @property
+    def mean_batch(self) -> float:
+        """Jobs per commit (0.0 before the first commit)."""
+        return self.jobs / self.commits if self.commits else 0.0
+
+
+class _Job(Generic[T]):
+    """One write call: its work (run by the writer thread) and how to wake its task."""
+
+    __slots__ = (
+        "error",
+        "events",
+        "label",
+        "result",
+        "taken",
+        "task",
+        "token",
+        "withdrawable",
+        "withdrawn",
+        "work",
+    )
+
+    def __init__(
+        self,
+        label: str,
+        work: Callable[[sqlite3.Connection], T],
+        *,
+        withdrawable: bool,
+        events: int = 0,
+    ) -> None:
+        self.label = label
+        self.work = work
+        self.withdrawable = withdrawable
+        self.events = events
+        self.token = trio.lowlevel.current_trio_token()
+        # read and written only in the Trio thread
+        self.task: trio.lowlevel.Task | None = trio.lowlevel.current_task()
+        # guarded by the store's lock
+        self.taken = False
+        self.withdrawn = False
+        # written by the writer thread before the wake-up
+        self.result: T | None = None
+        self.error: StoreError | None = None
+
+
+class SqliteStore(RunStore):
+    """A :class:`RunStore` in one SQLite file, durable across process crashes.
+
+    ``path`` is the database file; it is created (with its schema) if it does
+    not exist, and its directory must exist. Nothing is opened until the first
+    call; :meth:`ready` opens the file at once and reports a problem (not a
+    database, a newer schema version) as :class:`StoreError`, which every
+    later call raises too. See the module docstring for the writer thread,
+    group commit, durability (``synchronous``) and cancellation.
+
+    ``max_batch`` bounds the jobs committed in one transaction, ``readers`` the
+    read connections (and so concurrent reads), ``busy_timeout`` (seconds) how
+    long to wait for a lock held by another process before failing.
+
+    The store must be closed with :meth:`aclose`, which waits until every write
+    already taken is committed. Calls after it raise StoreError.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
+        max_batch: int = 512,
+        readers: int = 4,
+        busy_timeout: float = 5.0,
+    ) -> None:
+        self.path = os.fspath(path)
+        if self.path in ("", ":memory:") or self.path.startswith("file:"):
+            raise ValueError(f"SqliteStore needs the path of a database file, not {self.path!r}")
+        if synchronous not in ("NORMAL", "FULL"):
+            raise ValueError(f"synchronous must be 'NORMAL' or 'FULL', not {synchronous!r}")
+        if max_batch < 1 or readers < 1 or busy_timeout < 0:
+            raise ValueError("max_batch and readers must be >= 1 and busy_timeout >= 0")
+        self.synchronous = synchronous
+        self.max_batch = max_batch
+        self.busy_timeout = busy_timeout
+        # the job queue and the writer's life, guarded by _lock
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._pending: collections.deque[_Job[Any]] = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        # set by the writer once the file is open (or failed to open)
+        self._opened = threading.Event()
+        self._open_error: StoreError | None = None
+        # read connections: idle ones, guarded by _readers_lock
+        self._readers_lock = threading.Lock()
+        self._idle_readers: list[sqlite3.Connection] = []
+        self._readers_closed = False
+        self._read_limiter = trio.CapacityLimiter(readers)
+        # test seam: called in the writer thread with the labels of each batch it has
+        # taken, before its transaction begins (a test can hold the writer here)
+        self._before_batch: Callable[[list[str]], None] | None = None
+        # the writer thread's own: partial records (see _fold_record) of the live runs it
+        # has seen, as in the database, so an append needs no SELECT; cleared when in doubt
+        self._folds: dict[str, RunRecord] = {}
+        # counters, written by the writer thread only
+        self._commits = 0
+        self._jobs = 0
+        self._events = 0
+
+    def __repr__(self) -> str:
+        with self._lock:
+            pending = len(self._pending)
+            closing = self._closing
+            started = self._thread is not None
+        if closing:
+            state = "closed"
+        elif not started:
+            state = "unopened"
+        elif not self._opened.is_set():
+            state = "opening"
+        elif self._open_error is not None:
+            state = "broken"
+        else:
+            state = "open"
+        return (
+            f"<SqliteStore {self.path!r} {state} synchronous={self.synchronous} "
+            f"commits={self._commits} jobs={self._jobs} pending={pending}>"
+        )
+
+    def statistics(self) -> SqliteStoreStatistics:
+        """The writer's counters; see :class:`SqliteStoreStatistics`."""
+        with self._lock:
+            pending = len(self._pending)
+        return SqliteStoreStatistics(
+            commits=self._commits, jobs=self._jobs, events=self._events, pending=pending
+        )
+
+    # --- the RunStore interface ----------------------------------------------------------
+
+    async def ready(self) -> None:
+        """Open the database now (if not yet) and raise StoreError if it cannot be used."""
+        self._start()
+        with self._lock:
+            never_opened = self._thread is None
+        if never_opened:  # closed before its first use
+            await trio.lowlevel.checkpoint()
+            raise StoreError(f"the store {self.path!r} is closed")
+        if not self._opened.is_set():
+            await trio.to_thread.run_sync(self._opened.wait, abandon_on_cancel=True)
+        else:
+            await trio.lowlevel.checkpoint()
+        if self._open_error is not None:
+            raise StoreError(str(self._open_error)) from self._open_error
+
+    async def create(self, record: RunRecord, event: RunEvent) -> None:
+        """Store a new run and its QUEUED event (seq 1); durable when it returns.
+
+        Raises StoreError if the run exists, if ``event`` is not the QUEUED
+        event of ``record`` with seq 1, or if ``record.options`` cannot be
+        JSON (options are stored as JSON: a tuple comes back as a list, a
+        non-string key as a string). All or nothing under cancellation (see
+        the module docstring).
+        """
+        if (
+            event.run_id != record.run_id
+            or event.seq != 1
+            or event.status is not RunStatus.QUEUED
+            or record.status is not RunStatus.QUEUED
+            or record.last_seq != 1
+        ):
+            await trio.lowlevel.checkpoint()
+            raise StoreError(f"run {record.run_id} must start with a QUEUED event, seq 1")
+        try:
+            row = _run_row(record)
+        except (TypeError, ValueError) as exc:
+            await trio.lowlevel.checkpoint()
+            raise StoreError(f"run {record.run_id}: options are not JSON: {exc}") from exc
+        event_row = _event_row(event)
+
+        fold = _fold_record((record.run_id, "queued", 1, None, None, "", "", None))
+
+        def work(conn: sqlite3.Connection) -> None:
+            try:
+                conn.execute(f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES ({_marks(14)})", row)
+            except sqlite3.IntegrityError as exc:
+                raise StoreError(f"run {record.run_id} exists") from exc
+            conn.execute(f"INSERT INTO events ({_EVENT_COLUMNS}) VALUES ({_marks(8)})", event_row)
+            self._folds[record.run_id] = fold
+
+        await self._write(_Job("create", work, withdrawable=True, events=1))
+
+    async def append(self, event: RunEvent) -> None:
+        """Append one event to its run and fold it into the record; see :meth:`RunStore.append`.
+
+        Raises StoreError, once the batch is committed, for an unknown run, a
+        seq that is not the next one or a move the lifecycle table refuses;
+        nothing of that event is stored. If the caller was cancelled while
+        waiting, such an error is only logged.
+        """
+
+        def work(conn: sqlite3.Connection) -> None:
+            self._append(conn, event)
+
+        await self._write(_Job("append", work, withdrawable=False, events=1))
+
+    async def get(self, run_id: str) -> RunRecord | None:
+        def read(conn: sqlite3.Connection) -> RunRecord | None:
+            rows = conn.execute(
+                f"SELECT {_RUN_COLUMNS} FROM runs WHERE run_id = ?", (run_id,)
+            ).fetchall()
+            return _record(rows[0]) if rows else None
+
+        return await self._read(read)
+
+    async def list_runs(
+        self,
+        *,
+        statuses: Collection[RunStatus] = (),
+        target: str = "",
+        limit: int = 100,
+    ) -> list[RunRecord]:
+        """Runs, newest (last created) first; empty ``statuses`` / ``target`` match any.
+
+        At most ``limit`` runs; none for ``limit`` <= 0.
+        """
+        where: list[str] = []
+        args: list[object] = []
+        wanted = sorted({s.value for s in statuses})
+        if wanted:
+            where.append(f"status IN ({_marks(len(wanted))})")
+            args.extend(wanted)
+        if target:
+            where.append("target = ?")
+            args.append(target)
+        sql = f"SELECT {_RUN_COLUMNS} FROM runs"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY id DESC LIMIT ?"
+        args.append(max(limit, 0))
+
+        def read(conn: sqlite3.Connection) -> list[RunRecord]:
+            return [_record(row) for row in conn.execute(sql, args).fetchall()]
+
+        return await self._read(read)
+
+    async def events(self, run_id: str, *, after_seq: int = 0) -> list[RunEvent]:
+        def read(conn: sqlite3.Connection) -> list[RunEvent]:
+            rows = conn.execute(
+                f"SELECT {_EVENT_COLUMNS} FROM events WHERE run_id = ? AND seq > ? ORDER BY seq",
+                (run_id, after_seq),
+            ).fetchall()
+            return [_event(row) for row in rows]
+
+        return await self._read(read)
+
+    async def interrupt_unfinished(self, *, time: float, message: str) -> list[RunEvent]:
+        """Mark every QUEUED or RUNNING run INTERRUPTED (oldest first), in one transaction."""
+
+        def work(conn: sqlite3.Connection) -> list[RunEvent]:
+            rows = conn.execute(
+                f"SELECT {_FOLD_COLUMNS} FROM runs WHERE status IN (?, ?) ORDER BY id", _LIVE
+            ).fetchall()
+            made = []
+            for row in rows:
+                record = _fold_record(row)
+                event = interruption(record, time=time, message=message)
+                _fold_and_write(conn, record, event)
+                self._folds.pop(record.run_id, None)
+                made.append(event)
+            job.events = len(made)
+            return made
+
+        job = _Job("interrupt_unfinished", work, withdrawable=True)
+        return await self._write(job)
+
+    async def prune(self, *, finished_before: float) -> int:
+        """Delete terminal runs with ``finished < finished_before`` and their events."""
+
+        def work(conn: sqlite3.Connection) -> int:
+            condition = f"status IN ({_marks(len(_TERMINAL))}) AND finished < ?"
+            args = (*_TERMINAL, finished_before)
+            conn.execute(
+                f"DELETE FROM events WHERE run_id IN (SELECT run_id FROM runs WHERE {condition})",
+                args,
+            )
+            return conn.execute(f"DELETE FROM runs WHERE {condition}", args).rowcount
+
+        return await self._write(_Job("prune", work, withdrawable=True))
+
+    async def aclose(self) -> None:
+        """Commit every write already taken, stop the writer and close the file.
+
+        Safe to call more than once (and concurrently): each call returns once
+        the store is closed. If cancelled, the closing goes on in the
+        background. Writes and reads after the first call raise StoreError.
+        """
+        with self._lock:
+            self._closing = True
+            self._wakeup.notify_all()
+            thread = self._thread
+        if thread is None:
+            self._close_readers()
+            await trio.lowlevel.checkpoint()
+            return
+
+        def finish() -> None:
+            thread.join()
+            self._close_readers()
+
+        await trio.to_thread.run_sync(finish, abandon_on_cancel=True)
+
+    # --- the Trio side of the writer -----------------------------------------------------
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None and not self._closing:
+                self._thread = threading.Thread(
+                    target=self._writer_main, name=f"SqliteStore writer {self.path}", daemon=True
+                )
+                self._thread.start()
+
+    async def _write(self, job: _Job[T]) -> T:
+        """Queue ``job`` now (no checkpoint before), then wait for its batch to commit."""
+        self._start()
+        with self._lock:
+            if self._closing:
+                raise StoreError(f"the store {self.path!r} is closed")
+            self._pending.append(job)
+            self._wakeup.notify()
+
+        def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
+            if job.withdrawable:
+                with self._lock:
+                    if job.taken:
+                        return trio.lowlevel.Abort.FAILED  # the writer will wake us
+                    job.withdrawn = True
+                    self._pending.remove(job)
+            job.task = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+        if job.error is not None:
+            raise job.error
+        return cast(T, job.result)  # set by the writer when there is no error
+
+    @staticmethod
+    def _wake(jobs: list[_Job[Any]]) -> None:
+        # runs in the Trio thread (run_sync_soon)
+        for job in jobs:
+            task, job.task = job.task, None
+            if task is not None:
+                trio.lowlevel.reschedule(task)
+            elif job.error is not None:
+                log.error("%s by a cancelled caller failed: %s", job.label, job.error)
+
+    # --- the writer thread ---------------------------------------------------------------
+
+    def _writer_main(self) -> None:
+        conn: sqlite3.Connection | None = None
+        try:
+            conn = self._open_writer()
+        except Exception as exc:
+            self._open_error = _store_error(exc, f"cannot open run store {self.path!r}")
+        finally:
+            self._opened.set()
+        try:
+            while True:
+                with self._lock:
+                    while not self._pending and not self._closing:
+                        self._wakeup.wait()
+                    if not self._pending:
+                        return  # closing, and everything taken is done
+                    batch: list[_Job[Any]] = []
+                    while self._pending and len(batch) < self.max_batch:
+                        job = self._pending.popleft()
+                        if not job.withdrawn:
+                            job.taken = True
+                            batch.append(job)
+                if batch:
+                    hook = self._before_batch
+                    if hook is not None:
+                        try:
+                            hook([job.label for job in batch])
+                        except Exception:
+                            log.exception("run store: the before-batch hook failed")
+                    self._run_batch(conn, batch)
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def _open_writer(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=True
+        )
+        try:
+            _check_or_create_schema(conn)
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise StoreError(f"cannot use WAL journal mode on {self.path!r} (got {mode})")
+            conn.execute(f"PRAGMA synchronous = {self.synchronous}")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _run_batch(self, conn: sqlite3.Connection | None, batch: list[_Job[Any]]) -> None:
+        try:
+            if conn is None:
+                assert self._open_error is not None
+                raise self._open_error
+            committed, events = self._transaction(conn, batch)
+        except Exception as exc:
+            error = _store_error(exc, "the run store could not commit")
+            for job in batch:
+                job.result = None
+                job.error = StoreError(str(error))
+                job.error.__cause__ = error.__cause__
+        else:
+            self._commits += committed
+            self._events += events
+        self._jobs += len(batch)
+        by_token: dict[trio.lowlevel.TrioToken, list[_Job[Any]]] = {}
+        for job in batch:
+            by_token.setdefault(job.token, []).append(job)
+        for token, jobs in by_token.items():
+            with contextlib.suppress(trio.RunFinishedError):  # nobody left to tell
+                token.run_sync_soon(self._wake, jobs)
+
+    def _transaction(self, conn: sqlite3.Connection, batch: list[_Job[Any]]) -> tuple[bool, int]:
+        """Run the batch in one transaction; return whether it committed, and the events written.
+
+        Each job of a batch of several runs in its own savepoint, so a job that
+        fails is undone alone; a batch of one is undone by rolling back.
+        """
+        conn.execute("BEGIN IMMEDIATE")
+        events = 0
+        alone = len(batch) == 1
+        try:
+            for job in batch:
+                if not alone:
+                    conn.execute("SAVEPOINT job")
+                try:
+                    job.result = job.work(conn)
+                except Exception as exc:  # this job only; the batch goes on
+                    self._folds.clear()  # the job may have changed one before it failed
+                    if not isinstance(exc, StoreError | sqlite3.Error):
+                        log.exception("run store: %s failed unexpectedly", job.label)
+                    job.error = _store_error(exc, f"{job.label} failed")
+                    if alone:
+                        conn.execute("ROLLBACK")
+                        return False, 0
+                    conn.execute("ROLLBACK TO job")
+                else:
+                    events += job.events
+                if not alone:
+                    conn.execute("RELEASE job")
+            conn.execute("COMMIT")
+        except BaseException:
+            self._folds.clear()
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        return True, events
+
+    def _append(self, conn: sqlite3.Connection, event: RunEvent) -> None:
+        record = self._folds.get(event.run_id)
+        if record is None:
+            rows = conn.execute(
+                f"SELECT {_FOLD_COLUMNS} FROM runs WHERE run_id = ?", (event.run_id,)
+            ).fetchall()
+            if not rows:
+                raise StoreError(f"event for unknown run {event.run_id}")
+            record = _fold_record(rows[0])
+        _fold_and_write(conn, record, event)
+        if record.status.terminal:
+            self._folds.pop(event.run_id, None)
+        else:
+            self._folds[event.run_id] = record
+
+    # --- reads ---------------------------------------------------------------------------
+
+    async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        self._start()
+        with self._lock:
+            closing = self._closing or self._thread is None
+        if closing:
+            await trio.lowlevel.checkpoint()
+            raise StoreError(f"the store {self.path!r} is closed")
+        return await trio.to_thread.run_sync(self._read_sync, fn, limiter=self._read_limiter)
+
+    def _read_sync(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        self._opened.wait()
+        if self._open_error is not None:
+            raise StoreError(str(self._open_error)) from self._open_error
+        with self._readers_lock:
+            if self._readers_closed:
+                raise StoreError(f"the store {self.path!r} is closed")
+            conn = self._idle_readers.pop() if self._idle_readers else None
+        try:
+            if conn is None:
+                conn = sqlite3.connect(
+                    self.path,
+                    timeout=self.busy_timeout,
+                    isolation_level=None,
+                    check_same_thread=False,
+                )
+                conn.execute("PRAGMA query_only = ON")
+            # every statement is fetched to its end, so no read transaction stays open
+            return fn(conn)
+        except Exception as exc:  # sqlite3.Error, or a row this code cannot read
+            raise _store_error(exc, f"reading the run store {self.path!r} failed") from exc
+        finally:
+            if conn is not None:
+                with self._readers_lock:
+                    if self._readers_closed:
+                        conn.close()
+                    else:
+                        self._idle_readers.append(conn)
+
+    def _close_readers(self) -> None:
+        with self._readers_lock:
+            self._readers_closed = True
+            idle, self._idle_readers = self._idle_readers, []
+        for conn in idle:
+            conn.close()
+
+
+# --- schema and rows -------------------------------------------------------------------------
+
+
+def _check_or_create_schema(conn: sqlite3.Connection) -> None:
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise StoreError(
+            f"the run store has schema version {version}, newer than this version of "
+            f"iop-trio understands ({SCHEMA_VERSION}); upgrade iop-trio or use another file"
+        )
+    if version == SCHEMA_VERSION:
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]  # another process?
+        if version == 0:
+            tables = conn.execute(
+                "SELECT name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'"
+            ).fetchall()
+            if tables:
+                raise StoreError(
+                    "the file is a SQLite database but not an iop-trio run store "
+                    f"(it has {', '.join(sorted(t[0] for t in tables))} and no schema version)"
+                )
+            for statement in _SCHEMA:
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        elif version != SCHEMA_VERSION:  # pragma: no cover - no older versions exist yet
+            raise StoreError(f"the run store has schema version {version}; cannot migrate it")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def _marks(n: int) -> str:
+    return ", ".join("?" * n)
+
+
+def _store_error(exc: BaseException, context: str) -> StoreError:
+    if isinstance(exc, StoreError):
+        return exc
+    error = StoreError(f"{context}: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def _usage_json(usage: Usage | None) -> str | None:
+    if usage is None:
+        return None
+    return json.dumps(
+        {
+            "done_reason": usage.done_reason,
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+        }
+    )
+
+
+def _usage(text: str | None) -> Usage | None:
+    if text is None:
+        return None
+    data = json.loads(text)
+    return Usage(data["done_reason"], data["prompt_tokens"], data["completion_tokens"])
+
+
+def _run_row(record: RunRecord) -> tuple[object, ...]:
+    return (
+        record.run_id,
+        record.target,
+        record.status.value,
+        int(record.background),
+        record.created,
+        record.prompt,
+        json.dumps([[role, content] for role, content in record.messages]),
+        json.dumps(dict(record.options)),
+        record.started,
+        record.finished,
+        record.reason,
+        record.message,
+        record.last_seq,
+        _usage_json(record.usage),
+    )
+
+
+def _record(row: tuple[Any, ...]) -> RunRecord:
+    options: Mapping[str, Any] = json.loads(row[7])
+    return RunRecord(
+        run_id=row[0],
+        target=row[1],
+        status=RunStatus(row[2]),
+        background=bool(row[3]),
+        created=row[4],
+        prompt=row[5],
+        messages=tuple((role, content) for role, content in json.loads(row[6])),
+        options=options,
+        started=row[8],
+        finished=row[9],
+        reason=row[10],
+        message=row[11],
+        last_seq=row[12],
+        usage=_usage(row[13]),
+    )
+
+
+def _event_row(event: RunEvent) -> tuple[object, ...]:
+    return (
+        event.run_id,
+        event.seq,
+        event.kind.value,
+        event.time,
+        event.text,
+        event.reason,
+        event.message,
+        _usage_json(event.usage),
+    )
+
+
+def _event(row: tuple[Any, ...]) -> RunEvent:
+    return RunEvent(
+        run_id=row[0],
+        seq=row[1],
+        kind=EventKind(row[2]),
+        time=row[3],
+        text=row[4],
+        reason=row[5],
+        message=row[6],
+        usage=_usage(row[7]),
+    )
+
+
+def _fold_record(row: tuple[Any, ...]) -> RunRecord:
+    """A partial record (no target, prompt, options) for :meth:`RunRecord.apply`."""
+    return RunRecord(
+        run_id=row[0],
+        target="",
+        status=RunStatus(row[1]),
+        background=False,
+        created=0.0,
+        last_seq=row[2],
+        started=row[3],
+        finished=row[4],
+        reason=row[5],
+        message=row[6],
+        usage=_usage(row[7]),
+    )
+
+
+def _fold_and_write(conn: sqlite3.Connection, record: RunRecord, event: RunEvent) -> None:
+    try:
+        record.apply(event)
+    except (ValueError, RuntimeError) as exc:  # IllegalTransition is a RuntimeError
+        raise StoreError(str(exc)) from exc
+    conn.execute(f"INSERT INTO events ({_EVENT_COLUMNS}) VALUES ({_marks(8)})", _event_row(event))
+    if event.status is None:  # a delta moves only the seq
+        conn.execute("UPDATE runs SET last_seq = ? WHERE run_id = ?", (event.seq, record.run_id))
+        return
+    conn.execute(
+        "UPDATE runs SET status = ?, last_seq = ?, started = ?, finished = ?, reason = ?, "
+        "message = ?, usage = ? WHERE run_id = ?",
+        (
+            record.status.value,
+            record.last_seq,
+            record.started,
+            record.finished,
+            record.reason,
+            record.message,
+            _usage_json(record.usage),
+            record.run_id,
+        ),
+    )

@@ -1,0 +1,424 @@
+"""The RunStore contract (iop_trio/store/base.py), run against every store.
+
+The SQLite store runs on a real file in tmp_path; nothing here uses a mock
+clock, since the SQLite store waits on a real thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from iop_trio.runtime import Usage
+from iop_trio.runtime.lifecycle import EventKind, RunEvent, RunState, RunStatus
+from iop_trio.store import MemoryStore, RunStore, SqliteStore, StoreError
+
+STORES = ["memory", "sqlite"]
+
+
+@pytest.fixture(params=STORES)
+async def store(request: pytest.FixtureRequest, tmp_path) -> AsyncIterator[RunStore]:
+    made: RunStore = MemoryStore() if request.param == "memory" else SqliteStore(tmp_path / "r.db")
+    try:
+        yield made
+    finally:
+        await made.aclose()
+
+
+def new_run(
+    run_id: str,
+    *,
+    target: str = "echo/a",
+    time: float = 100.0,
+    background: bool = False,
+    prompt: str = "hello",
+    messages: tuple[tuple[str, str], ...] = (),
+    options: dict[str, object] | None = None,
+) -> tuple[RunState, RunEvent]:
+    return RunState.create(
+        run_id=run_id,
+        target=target,
+        background=background,
+        time=time,
+        prompt=prompt,
+        messages=messages,
+        options=options,
+    )
+
+
+async def created(store: RunStore, run_id: str, **kw: object) -> RunState:
+    state, first = new_run(run_id, **kw)  # type: ignore[arg-type]
+    await store.create(attrs.evolve(state.record), first)
+    return state
+
+
+async def running(store: RunStore, run_id: str, **kw: object) -> RunState:
+    state = await created(store, run_id, **kw)
+    await store.append(state.transition(RunStatus.RUNNING, time=101.0))
+    return state
+
+
+async def finished(
+    store: RunStore, run_id: str, status: RunStatus = RunStatus.SUCCEEDED, *, at: float = 200.0
+) -> RunState:
+    state = await running(store, run_id)
+    await store.append(state.transition(status, time=at, reason="r"))
+    return state
+
+
+async def seqs(store: RunStore, run_id: str) -> list[int]:
+    return [e.seq for e in await store.events(run_id)]
+
+
+# --- create / get / events --------------------------------------------------------------------
+
+
+async def test_create_then_get_and_events(store):
+    state, first = new_run(
+        "r1",
+        background=True,
+        prompt="héllo wörld ✓",
+        messages=(("system", "be brief"), ("user", "hi\nthere")),
+        options={"temperature": 0.25, "stop": ["\n", "END"], "nested": {"a": None, "b": True}},
+    )
+    await store.create(state.record, first)
+    assert await store.get("r1") == state.record
+    assert await store.events("r1") == [first]
+    assert await store.list_runs() == [state.record]
+
+
+async def test_unknown_run_reads_as_nothing(store):
+    assert await store.get("nope") is None
+    assert await store.events("nope") == []
+    assert await store.events("nope", after_seq=3) == []
+
+
+async def test_records_are_copies(store):
+    state, first = new_run("r1", options={"k": 1})
+    given = attrs.evolve(state.record, options=dict(state.record.options))
+    await store.create(given, first)
+    given.status = RunStatus.FAILED
+    given.options["k"] = 2  # type: ignore[index]
+    got = await store.get("r1")
+    assert got is not None
+    got.status = RunStatus.CANCELLED
+    got.options["k"] = 3  # type: ignore[index]
+    assert await store.get("r1") == state.record
+    assert (await store.list_runs())[0] == state.record
+
+
+async def test_duplicate_create_is_refused_and_changes_nothing(store):
+    state = await created(store, "r1", prompt="first")
+    again, first = new_run("r1", prompt="second")
+    with pytest.raises(StoreError, match="r1"):
+        await store.create(again.record, first)
+    assert await store.get("r1") == state.record
+    assert await seqs(store, "r1") == [1]
+
+
+@pytest.mark.parametrize("what", ["seq 2", "not queued", "other run", "record not queued"])
+async def test_create_needs_the_queued_event_of_the_record(store, what):
+    state, first = new_run("r1")
+    record = state.record
+    if what == "seq 2":
+        first = attrs.evolve(first, seq=2)
+    elif what == "not queued":
+        first = attrs.evolve(first, kind=EventKind.STARTED)
+    elif what == "other run":
+        first = attrs.evolve(first, run_id="r2")
+    else:
+        record = attrs.evolve(record, status=RunStatus.RUNNING)
+    with pytest.raises(StoreError):
+        await store.create(record, first)
+    assert await store.get("r1") is None
+    assert await store.get("r2") is None
+    assert await store.events("r1") == []
+    assert await store.list_runs() == []
+
+
+async def test_events_after_seq(store):
+    state = await running(store, "r1")
+    deltas = [state.delta(w, time=102.0 + i) for i, w in enumerate(["a", "b", "c"])]
+    for event in deltas:
+        await store.append(event)
+    everything = await store.events("r1")
+    assert [e.seq for e in everything] == [1, 2, 3, 4, 5]
+    assert await store.events("r1", after_seq=2) == deltas
+    assert await store.events("r1", after_seq=4) == deltas[-1:]
+    assert await store.events("r1", after_seq=5) == []
+    assert await store.events("r1", after_seq=50) == []
+    assert await store.events("r1", after_seq=-3) == everything
+
+
+# --- appending ------------------------------------------------------------------------------
+
+
+async def test_status_events_update_the_record(store):
+    state = await created(store, "r1")
+    await store.append(state.transition(RunStatus.RUNNING, time=110.5))
+    got = await store.get("r1")
+    assert got is not None
+    assert (got.status, got.started, got.last_seq) == (RunStatus.RUNNING, 110.5, 2)
+    await store.append(state.delta("hel", time=111.0))
+    await store.append(state.delta("lo", time=111.5))
+    usage = Usage("stop", prompt_tokens=3, completion_tokens=None)
+    end = state.transition(RunStatus.SUCCEEDED, time=112.25, message="done", usage=usage)
+    await store.append(end)
+    got = await store.get("r1")
+    assert got == state.record
+    assert got is not None
+    assert (got.status, got.finished, got.message, got.usage) == (
+        RunStatus.SUCCEEDED,
+        112.25,
+        "done",
+        usage,
+    )
+    events = await store.events("r1")
+    assert [e.kind for e in events] == [
+        EventKind.QUEUED,
+        EventKind.STARTED,
+        EventKind.DELTA,
+        EventKind.DELTA,
+        EventKind.SUCCEEDED,
+    ]
+    assert events[-1] == end
+    assert "".join(e.text for e in events) == "hello"
+
+
+@pytest.mark.parametrize(
+    ("status", "reason"),
+    [
+        (RunStatus.FAILED, "engine_error"),
+        (RunStatus.CANCELLED, "session_lost"),
+    ],
+)
+async def test_terminal_reason_is_stored(store, status, reason):
+    state = await running(store, "r1")
+    await store.append(state.transition(status, time=150.0, reason=reason, message="m"))
+    got = await store.get("r1")
+    assert got is not None
+    assert (got.status, got.reason, got.message, got.finished) == (status, reason, "m", 150.0)
+
+
+async def test_rejected_from_queued(store):
+    state = await created(store, "r1")
+    await store.append(state.transition(RunStatus.REJECTED, time=105.0, reason="queue_full"))
+    assert await store.get("r1") == state.record
+    assert (await store.events("r1"))[-1].kind is EventKind.REJECTED
+
+
+def _bad_events(state: RunState) -> dict[str, RunEvent]:
+    run_id, last = state.record.run_id, state.record.last_seq
+    return {
+        "seq gap": RunEvent(run_id, last + 2, EventKind.DELTA, 120.0, "x"),
+        "seq repeated": RunEvent(run_id, last, EventKind.DELTA, 120.0, "x"),
+        "seq zero": RunEvent(run_id, 0, EventKind.DELTA, 120.0, "x"),
+        "queued again": RunEvent(run_id, last + 1, EventKind.QUEUED, 120.0),
+        "started again": RunEvent(run_id, last + 1, EventKind.STARTED, 120.0),
+    }
+
+
+@pytest.mark.parametrize("bad", list(_bad_events(new_run("x")[0])))
+async def test_refused_events_store_nothing(store, bad):
+    state = await running(store, "r1")
+    before = await store.get("r1")
+    event = _bad_events(state)[bad]
+    with pytest.raises(StoreError):
+        await store.append(event)
+    assert await store.get("r1") == before
+    assert await seqs(store, "r1") == [1, 2]
+    # and the run goes on with the right next event
+    await store.append(state.delta("ok", time=121.0))
+    assert await seqs(store, "r1") == [1, 2, 3]
+    assert await store.get("r1") == state.record
+
+
+@pytest.mark.parametrize(
+    ("start", "kind"),
+    [
+        ("queued", EventKind.SUCCEEDED),  # QUEUED -> SUCCEEDED is not in the table
+        ("queued", EventKind.FAILED),
+        ("queued", EventKind.DELTA),  # a delta while QUEUED
+        ("succeeded", EventKind.DELTA),  # anything after the terminal event
+        ("succeeded", EventKind.CANCELLED),
+        ("succeeded", EventKind.INTERRUPTED),
+    ],
+)
+async def test_illegal_transitions_store_nothing(store, start, kind):
+    if start == "queued":
+        state = await created(store, "r1")
+    else:
+        state = await finished(store, "r1")
+    before = await store.get("r1")
+    event = RunEvent("r1", state.record.last_seq + 1, kind, 130.0, reason="x")
+    with pytest.raises(StoreError):
+        await store.append(event)
+    assert await store.get("r1") == before
+    assert await seqs(store, "r1") == list(range(1, state.record.last_seq + 1))
+
+
+async def test_event_for_an_unknown_run(store):
+    with pytest.raises(StoreError, match="ghost"):
+        await store.append(RunEvent("ghost", 1, EventKind.QUEUED, 1.0))
+    assert await store.get("ghost") is None
+    assert await store.events("ghost") == []
+
+
+async def test_append_cancelled_while_waiting_is_still_written(store):
+    state = await running(store, "r1")
+    taken = state.delta("taken", time=140.0)
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await store.append(taken)
+    # the event was taken before the first checkpoint; a later append that
+    # returns proves everything before it is written, in order
+    await store.append(state.delta("after", time=141.0))
+    assert [e.text for e in await store.events("r1", after_seq=2)] == ["taken", "after"]
+    assert await store.get("r1") == state.record
+
+
+async def test_concurrent_appends_to_many_runs(store):
+    states = [await running(store, f"r{i}") for i in range(10)]
+
+    async def stream(state: RunState) -> None:
+        for i in range(15):
+            await store.append(state.delta(f"w{i} ", time=150.0 + i))
+        await store.append(state.transition(RunStatus.SUCCEEDED, time=170.0))
+
+    async with trio.open_nursery() as nursery:
+        for state in states:
+            nursery.start_soon(stream, state)
+    for state in states:
+        run_id = state.record.run_id
+        assert await store.get(run_id) == state.record
+        assert await seqs(store, run_id) == list(range(1, 19))
+
+
+# --- listing --------------------------------------------------------------------------------
+
+
+async def test_list_runs_newest_first_filters_and_limit(store):
+    # created in this order; the clock goes backwards on purpose: order is by creation
+    a = await created(store, "a", target="echo/x", time=5.0)
+    b = await running(store, "b", target="echo/y", time=4.0)
+    c = await created(store, "c", target="echo/x", time=3.0)
+    d = await finished(store, "d")  # target echo/a
+    e = await running(store, "e", target="echo/x", time=1.0)
+    everything = [e, d, c, b, a]
+    assert await store.list_runs() == [s.record for s in everything]
+    assert await store.list_runs(limit=2) == [e.record, d.record]
+    assert await store.list_runs(limit=0) == []
+    assert await store.list_runs(limit=-1) == []
+    assert await store.list_runs(limit=100) == [s.record for s in everything]
+    assert [r.run_id for r in await store.list_runs(target="echo/x")] == ["e", "c", "a"]
+    assert [r.run_id for r in await store.list_runs(statuses=[RunStatus.RUNNING])] == ["e", "b"]
+    assert [
+        r.run_id for r in await store.list_runs(statuses={RunStatus.QUEUED, RunStatus.SUCCEEDED})
+    ] == ["d", "c", "a"]
+    assert [
+        r.run_id
+        for r in await store.list_runs(statuses=(RunStatus.QUEUED,), target="echo/x", limit=1)
+    ] == ["c"]
+    assert await store.list_runs(target="echo/none") == []
+    assert await store.list_runs(statuses=[RunStatus.INTERRUPTED]) == []
+
+
+async def test_list_runs_sees_status_changes(store):
+    state = await created(store, "r1")
+    assert [r.run_id for r in await store.list_runs(statuses=[RunStatus.QUEUED])] == ["r1"]
+    await store.append(state.transition(RunStatus.RUNNING, time=101.0))
+    assert await store.list_runs(statuses=[RunStatus.QUEUED]) == []
+    assert await store.list_runs(statuses=[RunStatus.RUNNING]) == [state.record]
+
+
+# --- restart and pruning --------------------------------------------------------------------
+
+
+async def test_interrupt_unfinished(store):
+    queued = await created(store, "queued")
+    run = await running(store, "running")
+    await store.append(run.delta("partial", time=102.0))
+    done = await finished(store, "done")
+    rejected = await created(store, "rejected")
+    await store.append(rejected.transition(RunStatus.REJECTED, time=103.0, reason="queue_full"))
+
+    made = await store.interrupt_unfinished(time=500.0, message="node restarted")
+    assert [(e.run_id, e.seq, e.kind) for e in made] == [
+        ("queued", 2, EventKind.INTERRUPTED),
+        ("running", 4, EventKind.INTERRUPTED),
+    ]
+    for event in made:
+        assert (event.reason, event.message, event.time) == (
+            "node_restart",
+            "node restarted",
+            500.0,
+        )
+        record = await store.get(event.run_id)
+        assert record is not None
+        assert (record.status, record.reason, record.finished, record.last_seq) == (
+            RunStatus.INTERRUPTED,
+            "node_restart",
+            500.0,
+            event.seq,
+        )
+        assert (await store.events(event.run_id))[-1] == event
+    assert await store.get("done") == done.record
+    assert await store.get("rejected") == rejected.record
+    assert (await store.get("queued")).started is None  # type: ignore[union-attr]
+    assert (await store.get("running")).started == 101.0  # type: ignore[union-attr]
+    # nothing left to interrupt; a second call changes nothing
+    assert await store.interrupt_unfinished(time=600.0, message="again") == []
+    assert await seqs(store, "queued") == [1, 2]
+    del queued
+
+
+async def test_interrupt_unfinished_on_an_empty_store(store):
+    assert await store.interrupt_unfinished(time=1.0, message="m") == []
+
+
+async def test_prune(store):
+    old = await finished(store, "old", at=100.0)
+    edge = await finished(store, "edge", at=150.0)
+    new = await finished(store, "new", RunStatus.FAILED, at=200.0)
+    live_queued = await created(store, "live-q", time=1.0)
+    live_running = await running(store, "live-r", time=1.0)
+    rejected = await created(store, "rejected", time=1.0)
+    await store.append(rejected.transition(RunStatus.REJECTED, time=50.0, reason="queue_full"))
+
+    assert await store.prune(finished_before=150.0) == 2  # old and rejected; edge is kept
+    assert await store.get("old") is None
+    assert await store.events("old") == []
+    assert await store.get("rejected") is None
+    assert await store.events("rejected") == []
+    for state in (edge, new, live_queued, live_running):
+        assert await store.get(state.record.run_id) == state.record
+        assert await store.events(state.record.run_id) != []
+    assert {r.run_id for r in await store.list_runs()} == {"edge", "new", "live-q", "live-r"}
+    assert await store.prune(finished_before=150.0) == 0
+    assert await store.prune(finished_before=1e12) == 2  # live runs are never pruned
+    assert {r.run_id for r in await store.list_runs()} == {"live-q", "live-r"}
+    del old
+
+
+async def test_a_pruned_run_id_can_be_created_again(store):
+    await finished(store, "r1", at=10.0)
+    assert await store.prune(finished_before=20.0) == 1
+    state = await created(store, "r1", prompt="again")
+    assert await store.get("r1") == state.record
+    assert await seqs(store, "r1") == [1]
+
+
+async def test_reads_see_every_returned_write(store):
+    # no waiting at all between a write and a read
+    state = await created(store, "r1")
+    assert (await store.get("r1")) == state.record
+    await store.append(state.transition(RunStatus.RUNNING, time=1.0))
+    assert (await store.get("r1")) == state.record
+    await store.append(state.delta("x", time=2.0))
+    assert await seqs(store, "r1") == [1, 2, 3]
+    assert await store.list_runs(statuses=[RunStatus.RUNNING]) == [state.record]
+    await trio.testing.wait_all_tasks_blocked()

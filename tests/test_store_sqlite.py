@@ -1,0 +1,589 @@
+"""What only the SQLite store has: a file, a writer thread, group commit, a schema version.
+
+These tests wait on a real thread, so they use no mock clock; they hold the
+writer at a known point with the store's ``_before_batch`` test seam instead
+of sleeping, and every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import tempfile
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from iop_trio.runtime import Usage
+from iop_trio.runtime.lifecycle import EventKind, RunEvent, RunRecord, RunState, RunStatus
+from iop_trio.store import MemoryStore, RunStore, SqliteStore, StoreError
+from iop_trio.store.sqlite import SCHEMA_VERSION
+
+from .test_store_contract import created, finished, new_run, running, seqs
+
+LIMIT = 20  # seconds; a generous bound for anything that waits on the writer thread
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
+    made = SqliteStore(tmp_path / "runs.db")
+    try:
+        yield made
+    finally:
+        await made.aclose()
+
+
+class WriterGate:
+    """Holds the writer thread before each batch (after taking it) until released."""
+
+    def __init__(self, store: SqliteStore) -> None:
+        self.batches: list[list[str]] = []
+        self._entered = threading.Event()
+        self._go = threading.Event()
+        self._holding = True
+        store._before_batch = self._hook
+
+    def _hook(self, labels: list[str]) -> None:
+        self.batches.append(labels)
+        if self._holding:
+            self._entered.set()
+            self._go.wait(LIMIT)
+
+    async def wait_held(self) -> None:
+        """Until the writer has taken a batch and is held before committing it."""
+        assert await trio.to_thread.run_sync(self._entered.wait, LIMIT)
+
+    def release(self) -> None:
+        """Let the writer go, now and for every later batch."""
+        self._holding = False
+        self._go.set()
+
+    def __enter__(self) -> WriterGate:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()  # a failing test must not leave the writer held
+
+
+async def in_order(nursery: trio.Nursery, *calls: object) -> None:
+    """Start each call in its own task, each after the previous one is parked."""
+    for call in calls:
+        nursery.start_soon(call)  # type: ignore[arg-type]
+        await trio.testing.wait_all_tasks_blocked()
+
+
+# --- durability and the file ----------------------------------------------------------------
+
+
+async def test_data_survives_close_and_reopen(tmp_path):
+    path = tmp_path / "runs.db"
+    first = SqliteStore(path)
+    long_chat = tuple(("user" if i % 2 else "assistant", f"message {i} " * 50) for i in range(40))
+    a = await created(first, "a", messages=long_chat, options={"delay": 0.5, "x": [1, "two"]})
+    b = await running(first, "b", background=True, prompt="p" * 10_000)
+    await first.append(b.delta("partial ", time=102.0))
+    c = await finished(first, "c")
+    usage = Usage("length", prompt_tokens=7, completion_tokens=9)
+    d = await running(first, "d")
+    await first.append(d.transition(RunStatus.SUCCEEDED, time=103.0, usage=usage))
+    events = {run_id: await first.events(run_id) for run_id in "abcd"}
+    await first.aclose()
+
+    second = SqliteStore(path)
+    try:
+        assert await second.list_runs() == [d.record, c.record, b.record, a.record]
+        for run_id, stored in events.items():
+            assert await second.events(run_id) == stored
+        assert (await second.get("d")).usage == usage  # type: ignore[union-attr]
+        # the log goes on where it stopped
+        await second.append(b.delta("more", time=104.0))
+        assert await seqs(second, "b") == [1, 2, 3, 4]
+        assert second.statistics().commits == 1
+    finally:
+        await second.aclose()
+
+
+async def test_wal_schema_and_primary_key(store, tmp_path):
+    await store.ready()
+    raw = sqlite3.connect(tmp_path / "runs.db")
+    try:
+        assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        tables = {r[0] for r in raw.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        assert {"runs", "events"} <= tables
+        pk = sorted((r[5], r[1]) for r in raw.execute("PRAGMA table_info(events)") if r[5])
+        assert [name for _, name in pk] == ["run_id", "seq"]
+    finally:
+        raw.close()
+    await created(store, "r1")
+    assert (tmp_path / "runs.db-wal").exists()
+
+
+async def test_synchronous_full_works(tmp_path):
+    full = SqliteStore(tmp_path / "full.db", synchronous="FULL")
+    try:
+        state = await running(full, "r1")
+        assert await full.get("r1") == state.record
+        assert "synchronous=FULL" in repr(full)
+    finally:
+        await full.aclose()
+
+
+async def test_database_work_runs_off_the_trio_thread(tmp_path, monkeypatch):
+    threads: list[int] = []
+    real_connect = sqlite3.connect
+
+    def connect(*args: object, **kwargs: object) -> sqlite3.Connection:
+        threads.append(threading.get_ident())
+        return real_connect(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sqlite3, "connect", connect)
+    store = SqliteStore(tmp_path / "runs.db")
+    gate = WriterGate(store)
+    gate.release()
+    try:
+        state = await running(store, "r1")
+        assert await store.get("r1") == state.record
+        assert await store.list_runs() == [state.record]
+    finally:
+        await store.aclose()
+    assert threads  # the writer's connection and at least one reader's
+    assert gate.batches
+    assert threading.get_ident() not in threads
+
+
+@pytest.mark.parametrize("path", ["", ":memory:", "file:x.db?mode=memory"])
+def test_needs_a_file_path(path):
+    with pytest.raises(ValueError, match="path"):
+        SqliteStore(path)
+
+
+# --- the schema version and unusable files ------------------------------------------------
+
+
+async def test_a_newer_schema_version_is_refused(tmp_path):
+    path = tmp_path / "runs.db"
+    old = SqliteStore(path)
+    await created(old, "r1")
+    await old.aclose()
+    raw = sqlite3.connect(path)
+    raw.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 98}")
+    raw.commit()
+    raw.close()
+
+    newer = SqliteStore(path)
+    try:
+        with pytest.raises(StoreError, match=r"schema version 99, newer .* understands \(1\)"):
+            await newer.ready()
+        assert "broken" in repr(newer)
+        # every call says the same, and nothing is written
+        with pytest.raises(StoreError, match="schema version 99"):
+            await newer.get("r1")
+        state, first = new_run("r2")
+        with pytest.raises(StoreError, match="schema version 99"):
+            await newer.create(state.record, first)
+        with pytest.raises(StoreError, match="schema version 99"):
+            await newer.interrupt_unfinished(time=1.0, message="m")
+    finally:
+        await newer.aclose()
+    raw = sqlite3.connect(path)
+    assert raw.execute("SELECT run_id FROM runs").fetchall() == [("r1",)]
+    raw.close()
+
+
+async def test_a_foreign_database_is_refused(tmp_path):
+    path = tmp_path / "other.db"
+    raw = sqlite3.connect(path)
+    raw.execute("CREATE TABLE customers (id INTEGER)")
+    raw.commit()
+    raw.close()
+    foreign = SqliteStore(path)
+    try:
+        with pytest.raises(StoreError, match=r"not an iop-trio run store.*customers"):
+            await foreign.ready()
+    finally:
+        await foreign.aclose()
+
+
+async def test_a_file_that_is_not_a_database_is_refused(tmp_path):
+    path = tmp_path / "junk.db"
+    path.write_bytes(b"this is not sqlite" * 100)
+    junk = SqliteStore(path)
+    try:
+        with pytest.raises(StoreError, match="cannot open run store"):
+            await junk.ready()
+    finally:
+        await junk.aclose()
+
+
+async def test_a_missing_directory_is_a_store_error(tmp_path):
+    missing = SqliteStore(tmp_path / "no" / "such" / "dir" / "runs.db")
+    try:
+        with pytest.raises(StoreError, match=r"runs\.db"):
+            await missing.ready()
+    finally:
+        await missing.aclose()
+
+
+# --- cancellation -----------------------------------------------------------------------------
+
+
+async def test_append_cancelled_while_waiting_is_written(store):
+    state = await running(store, "r1")
+    gate = WriterGate(store)
+    outcome: dict[str, bool] = {}
+
+    async def cancellable_append(event: RunEvent) -> None:
+        with trio.CancelScope() as scope:
+            cancel_scopes.append(scope)
+            await store.append(event)
+            outcome["returned"] = True
+        outcome["cancelled"] = scope.cancelled_caught
+
+    cancel_scopes: list[trio.CancelScope] = []
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as nursery:
+            with gate:
+                nursery.start_soon(store.append, state.delta("a ", time=1.0))
+                await gate.wait_held()  # the writer holds "a" and commits nothing
+                await in_order(nursery, lambda: cancellable_append(state.delta("b ", time=2.0)))
+                cancel_scopes[0].cancel()
+                await trio.testing.wait_all_tasks_blocked()
+                assert outcome == {"cancelled": True}
+                assert await seqs(store, "r1") == [1, 2]  # nothing committed yet
+                assert store.statistics().pending == 1  # "b" is queued, not withdrawn
+        await store.append(state.delta("c", time=3.0))
+    assert "".join(e.text for e in await store.events("r1", after_seq=2)) == "a b c"
+    assert await store.get("r1") == state.record
+
+
+async def test_create_cancelled_before_the_writer_took_it_stores_nothing(store):
+    gate = WriterGate(store)
+    state, first = new_run("r1")
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as nursery:
+            with gate:
+                nursery.start_soon(created, store, "blocker")
+                await gate.wait_held()
+                with trio.CancelScope() as scope:
+                    scope.cancel()
+                    await store.create(state.record, first)
+                assert scope.cancelled_caught
+                assert store.statistics().pending == 0  # withdrawn
+        assert await store.get("r1") is None
+        assert [r.run_id for r in await store.list_runs()] == ["blocker"]
+        assert gate.batches == [["create"]]
+
+
+async def test_create_cancelled_after_the_writer_took_it_completes(store):
+    gate = WriterGate(store)
+    state, first = new_run("r1")
+    done: dict[str, bool] = {}
+
+    async def create_then_checkpoint() -> None:
+        with trio.CancelScope() as scope:
+            scopes.append(scope)
+            await store.create(state.record, first)
+            done["returned"] = True
+            await trio.lowlevel.checkpoint()  # the cancellation lands here
+        done["cancelled"] = scope.cancelled_caught
+
+    scopes: list[trio.CancelScope] = []
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as nursery:
+            with gate:
+                nursery.start_soon(create_then_checkpoint)
+                await gate.wait_held()  # the writer has taken the create
+                await trio.testing.wait_all_tasks_blocked()
+                scopes[0].cancel()
+                await trio.testing.wait_all_tasks_blocked()
+                assert done == {}  # still waiting for its commit
+    assert done == {"returned": True, "cancelled": True}
+    assert await store.get("r1") == state.record
+
+
+# --- group commit -----------------------------------------------------------------------------
+
+
+async def test_many_concurrent_appenders_get_contiguous_seqs_and_share_commits(store):
+    runs = 8
+    states = [await running(store, f"r{i}") for i in range(runs)]
+    before = store.statistics()
+    per_task = 20
+
+    async def appender(state: RunState) -> None:
+        for i in range(per_task):
+            # taking the seq and calling append with no checkpoint between, as the gate does
+            await store.append(state.delta(f"{i} ", time=float(i)))
+
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as nursery:
+            for i in range(64):
+                nursery.start_soon(appender, states[i % runs])
+    after = store.statistics()
+    appended = 64 * per_task
+    assert after.events - before.events == appended
+    assert after.jobs - before.jobs == appended
+    commits = after.commits - before.commits
+    assert commits < appended
+    assert after.mean_batch > 1
+    for state in states:
+        run_id = state.record.run_id
+        assert await seqs(store, run_id) == list(range(1, 2 + 1 + 8 * per_task))
+        assert await store.get(run_id) == state.record
+
+
+async def test_a_bad_event_does_not_poison_its_batch(store):
+    good = await running(store, "good")
+    queued = await created(store, "queued")
+    gate = WriterGate(store)
+    results: dict[str, str] = {}
+
+    def call(name: str, make_call: object) -> object:
+        async def run() -> None:
+            try:
+                await make_call()  # type: ignore[operator]
+            except StoreError as exc:
+                results[name] = f"error: {exc}"
+            else:
+                results[name] = "ok"
+
+        return run
+
+    new_state, new_first = new_run("new")
+    dup_state, dup_first = new_run("good")
+    d1 = good.delta("1", time=1.0)
+    d2 = good.delta("2", time=2.0)
+    end = good.transition(RunStatus.SUCCEEDED, time=3.0)
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as nursery:
+            with gate:
+                nursery.start_soon(call("blocker", lambda: created(store, "blocker")))
+                await gate.wait_held()
+                await in_order(
+                    nursery,
+                    call("d1", lambda: store.append(d1)),
+                    call("gap", lambda: store.append(RunEvent("good", 9, EventKind.DELTA, 1.0))),
+                    call("d2", lambda: store.append(d2)),
+                    call(
+                        "illegal",
+                        lambda: store.append(RunEvent("queued", 2, EventKind.SUCCEEDED, 1.0)),
+                    ),
+                    call("create", lambda: store.create(new_state.record, new_first)),
+                    call(
+                        "unknown", lambda: store.append(RunEvent("ghost", 2, EventKind.DELTA, 1.0))
+                    ),
+                    call("duplicate", lambda: store.create(dup_state.record, dup_first)),
+                    call("end", lambda: store.append(end)),
+                )
+                before = store.statistics()
+    assert gate.batches[1] == ["append"] * 4 + ["create", "append", "create", "append"]
+    assert store.statistics().commits - before.commits == 2  # the held batch, then this one
+    assert results.pop("blocker") == "ok"
+    assert {k: v.split(":")[0] for k, v in results.items()} == {
+        "d1": "ok",
+        "gap": "error",
+        "d2": "ok",
+        "illegal": "error",
+        "create": "ok",
+        "unknown": "error",
+        "duplicate": "error",
+        "end": "ok",
+    }
+    assert "seq 9 after 3" in results["gap"]
+    assert "illegal transition queued -> succeeded" in results["illegal"]
+    assert "ghost" in results["unknown"]
+    assert "exists" in results["duplicate"]
+    assert await store.get("good") == good.record
+    assert await seqs(store, "good") == [1, 2, 3, 4, 5]
+    assert await store.get("queued") == queued.record
+    assert await store.get("new") == new_state.record
+
+
+# --- closing ----------------------------------------------------------------------------------
+
+
+async def test_aclose_twice_and_calls_after_close(tmp_path):
+    store = SqliteStore(tmp_path / "runs.db")
+    state = await created(store, "r1")
+    await store.aclose()
+    await store.aclose()
+    assert "closed" in repr(store)
+    with pytest.raises(StoreError, match="closed"):
+        await store.get("r1")
+    with pytest.raises(StoreError, match="closed"):
+        await store.append(state.transition(RunStatus.RUNNING, time=1.0))
+    with pytest.raises(StoreError, match="closed"):
+        await store.list_runs()
+
+
+async def test_aclose_of_a_store_never_used(tmp_path):
+    store = SqliteStore(tmp_path / "runs.db")
+    assert "unopened" in repr(store)
+    await store.aclose()
+    await store.aclose()
+    assert not (tmp_path / "runs.db").exists()
+
+
+async def test_aclose_commits_what_was_taken_and_concurrent_closes_wait(tmp_path):
+    path = tmp_path / "runs.db"
+    store = SqliteStore(path)
+    state = await running(store, "r1")
+    gate = WriterGate(store)
+    closed: list[int] = []
+
+    async def close(n: int) -> None:
+        await store.aclose()
+        closed.append(n)
+
+    events = [state.delta(f"{i} ", time=float(i)) for i in range(5)]
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as nursery:
+            with gate:
+                await in_order(nursery, *[lambda e=e: store.append(e) for e in events])
+                await gate.wait_held()
+                nursery.start_soon(close, 1)
+                nursery.start_soon(close, 2)
+                await trio.testing.wait_all_tasks_blocked()
+                assert closed == []
+    assert sorted(closed) == [1, 2]
+    reopened = SqliteStore(path)
+    try:
+        assert await reopened.get("r1") == state.record
+        assert await seqs(reopened, "r1") == [1, 2, 3, 4, 5, 6, 7]
+    finally:
+        await reopened.aclose()
+
+
+async def test_repr_says_what_it_is(store, tmp_path):
+    assert repr(store).startswith(f"<SqliteStore {str(tmp_path / 'runs.db')!r} unopened")
+    await created(store, "r1")
+    text = repr(store)
+    assert " open " in text and "commits=1" in text and "pending=0" in text
+
+
+# --- the same answers as the reference store --------------------------------------------------
+
+# what a run may do next, by status; an "any" event picks from every kind
+_NEXT_KINDS = {
+    RunStatus.QUEUED: [EventKind.STARTED, EventKind.REJECTED, EventKind.CANCELLED],
+    RunStatus.RUNNING: [EventKind.DELTA] * 4 + [EventKind.SUCCEEDED, EventKind.FAILED],
+}
+_CREATE = st.tuples(st.just("create"), st.integers(0, 3))
+_NEXT_EVENT = st.tuples(st.just("next"), st.integers(0, 3), st.integers(0, 99))
+_ANY_EVENT = st.tuples(
+    st.just("any"), st.integers(0, 4), st.sampled_from(list(EventKind)), st.integers(-1, 1)
+)
+# mostly the next event of a run, some refused ones (by the table, or a seq that is
+# not the next), and now and then a restart or a prune
+_OPS = st.one_of(
+    _NEXT_EVENT,
+    _CREATE,
+    _NEXT_EVENT,
+    _ANY_EVENT,
+    _NEXT_EVENT,
+    _NEXT_EVENT,
+    st.tuples(st.just("interrupt")),
+    _NEXT_EVENT,
+    st.tuples(st.just("prune"), st.integers(0, 60)),
+)
+
+
+Call = Callable[[RunStore], Awaitable[object]]
+
+
+async def _on_memory(ops: list[tuple[object, ...]]) -> tuple[MemoryStore, list[Call], list[object]]:
+    """Turn ``ops`` into concrete calls (the seq from what is stored so far) and run
+    them one after the other on a MemoryStore; return it, the calls and their results."""
+    memory = MemoryStore()
+    calls: list[Call] = []
+    results: list[object] = []
+    for i, op in enumerate(ops):
+        call: Call
+        if op[0] == "create":
+            state, first = new_run(f"r{op[1]}", time=float(i), options={"i": i})
+            call = partial(_create, state.record, first)
+        elif op[0] in ("next", "any"):
+            run_id = f"r{op[1]}"
+            known = await memory.get(run_id)
+            if op[0] == "next":
+                assert isinstance(op[2], int)
+                choices = _NEXT_KINDS.get(known.status, [EventKind.DELTA]) if known else []
+                kind, offset = (choices[op[2] % len(choices)] if choices else EventKind.DELTA), 0
+            else:
+                kind, offset = op[2], op[3]  # type: ignore[assignment]
+                assert isinstance(kind, EventKind) and isinstance(offset, int)
+            seq = (known.last_seq if known else 1) + 1 + offset
+            reason = "queue_full" if kind is EventKind.REJECTED else ""
+            call = partial(_append, RunEvent(run_id, seq, kind, float(i), "t", reason))
+        elif op[0] == "interrupt":
+            call = partial(_interrupt, float(i))
+        else:
+            assert isinstance(op[1], int)
+            call = partial(_prune, float(op[1]))
+        calls.append(call)
+        results.append(await _outcome(call, memory))
+    return memory, calls, results
+
+
+async def _create(record: RunRecord, first: RunEvent, store: RunStore) -> object:
+    return await store.create(attrs.evolve(record), first)
+
+
+async def _append(event: RunEvent, store: RunStore) -> object:
+    return await store.append(event)
+
+
+async def _interrupt(time: float, store: RunStore) -> object:
+    return await store.interrupt_unfinished(time=time, message="m")
+
+
+async def _prune(before: float, store: RunStore) -> object:
+    return await store.prune(finished_before=before)
+
+
+async def _outcome(call: Call, store: RunStore) -> object:
+    try:
+        return await call(store)
+    except StoreError:
+        return "StoreError"
+
+
+async def _dump(store: RunStore) -> tuple[object, ...]:
+    records = await store.list_runs(limit=1000)
+    return tuple([(r, await store.events(r.run_id)) for r in records])
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(ops=st.lists(_OPS, max_size=25))
+async def test_same_answers_as_the_memory_store(ops):
+    memory, calls, expected = await _on_memory(ops)
+    got: list[object] = [None] * len(calls)
+
+    async def run(i: int, store: RunStore) -> None:
+        got[i] = await _outcome(calls[i], store)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sqlite_store = SqliteStore(Path(tmp) / "runs.db")
+        try:
+            with trio.fail_after(LIMIT):
+                # all at once, in order: the writer takes them in batches of any size
+                async with trio.open_nursery() as nursery:
+                    for i in range(len(calls)):
+                        nursery.start_soon(run, i, sqlite_store)
+                        await trio.testing.wait_all_tasks_blocked()
+                assert got == expected
+                assert await _dump(sqlite_store) == await _dump(memory)
+        finally:
+            await sqlite_store.aclose()
