@@ -38,6 +38,11 @@ proto: $(STAMP)
 ## bench: print the benchmark figures
 bench: $(STAMP)
 	$(PY) benchmarks/gate.py
+	$(PY) benchmarks/store.py
+
+## smoke: real-engine tests (llama.cpp server + Gemma 3 270M) in their own venv; opt-in
+smoke:
+	bash tools/smoke.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

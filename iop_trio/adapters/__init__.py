@@ -11,6 +11,8 @@ from .base import (
     Usage,
 )
 from .echo import EchoAdapter
+from .ollama import OllamaAdapter
+from .openai import OpenAIAdapter
 from .registry import AdapterRegistry, default_registry
 
 __all__ = [
@@ -22,7 +24,9 @@ __all__ = [
     "Chunk",
     "Completion",
     "Delta",
-    "Usage",
     "EchoAdapter",
+    "OllamaAdapter",
+    "OpenAIAdapter",
+    "Usage",
     "default_registry",
 ]

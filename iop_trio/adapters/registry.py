@@ -47,7 +47,11 @@ class AdapterRegistry:
 def default_registry() -> AdapterRegistry:
     """A registry with the built-in kinds."""
     from .echo import EchoAdapter
+    from .ollama import OllamaAdapter
+    from .openai import OpenAIAdapter
 
     registry = AdapterRegistry()
     registry.register("echo", EchoAdapter)
+    registry.register("ollama", OllamaAdapter)
+    registry.register("openai", OpenAIAdapter)
     return registry

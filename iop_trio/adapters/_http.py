@@ -1,0 +1,543 @@
+"""Shared HTTP plumbing of the engine adapters (``ollama``, ``openai``), over httpx on trio.
+
+:class:`HTTPAdapter` owns one ``httpx.AsyncClient`` per adapter instance and
+turns every way an HTTP exchange can go wrong into an :class:`AdapterError`
+whose message names the engine URL and the model:
+
+====================================================  ==================
+what happened                                         reason
+====================================================  ==================
+connect / pool / write timeout, no data for           ``timeout``
+``read_timeout`` seconds (before the headers or
+between two chunks of the body)
+connection refused, DNS failure, reset, the engine    ``connection``
+closed the connection mid-response, bad URL scheme
+non-2xx status (the engine's own message is kept)     ``engine_error``
+404 whose message mentions the model                  ``model_not_found``
+undecodable body (content-encoding)                   ``bad_response``
+any other httpx error                                 ``engine_error``
+====================================================  ==================
+
+The stream formats (NDJSON lines, server-sent events) are parsed by the
+sans-IO :class:`LineSplitter` and :class:`SSEDecoder` below, which the
+adapters feed with the body bytes as they come.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from contextlib import asynccontextmanager, suppress
+from http import HTTPStatus
+from typing import Any, NoReturn, Self
+
+import attrs
+import httpx
+import trio
+
+from .base import Adapter, AdapterError, AdapterRequest, Capabilities, Chunk
+
+DEFAULT_CONNECT_TIMEOUT = 10.0
+DEFAULT_READ_TIMEOUT = 300.0
+DEFAULT_WRITE_TIMEOUT = 30.0
+
+#: Bound on closing a response when a stream is left (shielded from cancellation).
+CLOSE_TIMEOUT = 5.0
+#: After the final line, how long to wait for the end of the body so the
+#: connection can go back to the pool (best effort; the run is complete either way).
+DRAIN_TIMEOUT = 1.0
+#: How much of an error body is read to find the engine's message.
+MAX_ERROR_BODY = 64 * 1024
+#: The longest line (NDJSON line, SSE field) accepted before the stream is refused.
+MAX_LINE = 16 * 1024 * 1024
+#: How much of an engine message (or of a bad line) is quoted in an AdapterError.
+MAX_QUOTE = 500
+
+
+def quote(text: str, limit: int = MAX_QUOTE) -> str:
+    """``text`` on one line, shortened to ``limit`` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --- error mapping ---------------------------------------------------------------------------
+
+
+def transport_error(
+    exc: httpx.HTTPError, where: str, timeout: httpx.Timeout, *, streaming: bool
+) -> AdapterError:
+    """The AdapterError for an httpx error; ``streaming`` = the headers had arrived."""
+    detail = str(exc) or type(exc).__name__
+    if isinstance(exc, httpx.ConnectTimeout):
+        return AdapterError("timeout", f"{where}: could not connect within {timeout.connect}s")
+    if isinstance(exc, httpx.ReadTimeout):
+        if streaming:
+            return AdapterError(
+                "timeout", f"{where}: the stream stalled: no data for {timeout.read}s"
+            )
+        return AdapterError("timeout", f"{where}: no response within {timeout.read}s")
+    if isinstance(exc, httpx.WriteTimeout):
+        return AdapterError(
+            "timeout", f"{where}: could not send the request within {timeout.write}s"
+        )
+    if isinstance(exc, httpx.PoolTimeout):
+        return AdapterError("timeout", f"{where}: no free connection within {timeout.pool}s")
+    if isinstance(exc, httpx.TimeoutException):
+        return AdapterError("timeout", f"{where}: timed out: {detail}")
+    if isinstance(exc, httpx.ConnectError):
+        return AdapterError("connection", f"{where}: cannot connect: {detail}")
+    if isinstance(exc, httpx.NetworkError | httpx.ProxyError):
+        return AdapterError("connection", f"{where}: connection lost: {detail}")
+    if isinstance(exc, httpx.RemoteProtocolError):
+        what = "mid-response" if streaming else "before responding"
+        return AdapterError(
+            "connection", f"{where}: the engine closed the connection {what}: {detail}"
+        )
+    if isinstance(exc, httpx.UnsupportedProtocol):
+        return AdapterError("connection", f"{where}: {detail}")
+    if isinstance(exc, httpx.DecodingError):
+        return AdapterError("bad_response", f"{where}: cannot decode the response: {detail}")
+    return AdapterError("engine_error", f"{where}: {type(exc).__name__}: {detail}")
+
+
+def json_error(obj: object) -> str | None:
+    """The message of an engine error object, or None if ``obj`` is not one.
+
+    Knows Ollama's ``{"error": "..."}``, OpenAI's ``{"error": {"message": ...}}``
+    and vLLM's older ``{"object": "error", "message": ...}``; any other
+    ``error`` value is shown as JSON.
+    """
+    if not isinstance(obj, Mapping):
+        return None
+    error = obj.get("error")
+    if error is not None:
+        if isinstance(error, str):
+            return error
+        if isinstance(error, Mapping):
+            message = error.get("message")
+            if isinstance(message, str) and message:
+                kind = error.get("type") or error.get("code")
+                return f"{message} ({kind})" if isinstance(kind, str) and kind else message
+        return json.dumps(error)
+    if obj.get("object") == "error" and isinstance(obj.get("message"), str):
+        return str(obj["message"])
+    return None
+
+
+def _detail(obj: object) -> str | None:
+    """FastAPI's ``{"detail": ...}`` (llama-cpp-python's validation errors)."""
+    detail = obj.get("detail") if isinstance(obj, Mapping) else None
+    if isinstance(detail, str):
+        return detail
+    if isinstance(detail, list):
+        return "; ".join(
+            f"{'.'.join(map(str, d.get('loc', ())))}: {d.get('msg', '')}"
+            if isinstance(d, Mapping)
+            else str(d)
+            for d in detail
+        )
+    return None
+
+
+def body_message(body: bytes) -> str:
+    """What an error body says: the engine's JSON error message (or JSON string), else its
+    text, on one line and shortened ("" for an empty body)."""
+    text = body.decode("utf-8", "replace").strip()
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return quote(text)
+    message = obj if isinstance(obj, str) else json_error(obj)
+    if message is None:
+        message = _detail(obj)
+    return quote(message if message is not None else text)
+
+
+def status_error(status: int, phrase: str, body: bytes, where: str) -> AdapterError:
+    """The AdapterError for a non-2xx response with ``body`` (possibly cut short)."""
+    message = body_message(body)
+    if not phrase:
+        with suppress(ValueError):
+            phrase = HTTPStatus(status).phrase
+    reason = "engine_error"
+    if status == 404 and "model" in message.lower():
+        reason = "model_not_found"
+    status_line = f"HTTP {status} {phrase}".rstrip()
+    return AdapterError(reason, f"{where}: {status_line}: {message or 'no details'}")
+
+
+def parse_json(raw: bytes | str, where: str) -> Any:
+    """A JSON value from one line/event of a stream; ``bad_response`` if it is not JSON."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+        raise AdapterError(
+            "bad_response", f"{where}: invalid JSON in the stream: {quote(text, 200)!r}"
+        ) from None
+
+
+# --- stream formats (sans-IO) ----------------------------------------------------------------
+
+_ANY_EOL = re.compile(rb"\r\n|\r|\n")
+_LF = re.compile(rb"\n")
+
+
+class LineTooLong(ValueError):
+    pass
+
+
+class LineSplitter:
+    """Cuts a byte stream into lines, whatever the chunking.
+
+    With ``cr=True`` (server-sent events) CRLF, LF and a lone CR each end a
+    line; otherwise (NDJSON) only LF does and a CR before it is dropped. Only
+    these bytes split: a JSON string holding U+2028 or U+0085 stays one line
+    (``str.splitlines`` would cut it). :meth:`feed` raises
+    :class:`LineTooLong` when an unfinished line exceeds ``max_line`` bytes.
+    """
+
+    def __init__(self, *, cr: bool, max_line: int = MAX_LINE) -> None:
+        self._cr = cr
+        self._eol = _ANY_EOL if cr else _LF
+        self._buffer = bytearray()
+        self._after_cr = False
+        self._max_line = max_line
+
+    def __repr__(self) -> str:
+        return f"<LineSplitter cr={self._cr} buffered={len(self._buffer)}>"
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The lines completed by ``data``, without their line ends."""
+        if self._after_cr:
+            # a CR ended the last chunk: an LF opening this one belongs to it
+            self._after_cr = False
+            if data.startswith(b"\n"):
+                data = data[1:]
+        start = len(self._buffer)  # the buffer holds no line end
+        self._buffer += data
+        buf = self._buffer
+        lines: list[bytes] = []
+        pos = 0
+        for match in self._eol.finditer(buf, start):
+            line = bytes(buf[pos : match.start()])
+            lines.append(line if self._cr or not line.endswith(b"\r") else line[:-1])
+            pos = match.end()
+        if self._cr and pos == len(buf) and buf.endswith(b"\r"):
+            self._after_cr = True
+        del buf[:pos]
+        if len(buf) > self._max_line:
+            raise LineTooLong(f"a line is longer than {self._max_line} bytes")
+        return lines
+
+    def flush(self) -> bytes | None:
+        """At the end of the stream: the unterminated last line, or None."""
+        if not self._buffer:
+            return None
+        rest = bytes(self._buffer)
+        self._buffer.clear()
+        return rest if self._cr or not rest.endswith(b"\r") else rest[:-1]
+
+
+@attrs.frozen
+class SSEEvent:
+    """One dispatched server-sent event; ``data`` lines are joined with LF."""
+
+    data: str
+    event: str = "message"
+    id: str = ""
+
+
+class SSEDecoder:
+    """Server-sent events as the HTML standard parses them ("event stream interpretation").
+
+    Lines end with CRLF, LF or CR; a leading BOM is dropped; ``:`` starts a
+    comment; ``field: value`` loses one space after the colon; a line without
+    a colon is a field with an empty value; ``data`` lines accumulate and a
+    blank line dispatches the event (none if it had no data). An event cut off
+    by the end of the stream is discarded, as the standard says. One
+    deliberate extension: a field named ``error`` (llama.cpp's server writes
+    ``error: {json}`` mid-stream) is taken as ``event: error`` with that
+    value as its data; any other unknown field is ignored.
+    """
+
+    def __init__(self, *, max_line: int = MAX_LINE) -> None:
+        self._lines = LineSplitter(cr=True, max_line=max_line)
+        self._data: list[str] = []
+        self._event = ""
+        self._last_id = ""
+        self._first = True
+
+    def __repr__(self) -> str:
+        return f"<SSEDecoder pending_data_lines={len(self._data)}>"
+
+    def feed(self, data: bytes) -> list[SSEEvent]:
+        """The events completed by ``data``. Raises :class:`LineTooLong`."""
+        events = []
+        for raw in self._lines.feed(data):
+            event = self._line(raw.decode("utf-8", "replace"))
+            if event is not None:
+                events.append(event)
+        return events
+
+    def _line(self, line: str) -> SSEEvent | None:
+        if self._first:
+            self._first = False
+            line = line.removeprefix("\ufeff")
+        if not line:
+            return self._dispatch()
+        if line.startswith(":"):
+            return None
+        field, colon, value = line.partition(":")
+        if colon and value.startswith(" "):
+            value = value[1:]
+        if field == "data":
+            self._data.append(value)
+        elif field == "event":
+            self._event = value
+        elif field == "id":
+            if "\0" not in value:
+                self._last_id = value
+        elif field == "error":
+            self._event = "error"
+            self._data.append(value)
+        return None
+
+    def _dispatch(self) -> SSEEvent | None:
+        data, event = self._data, self._event
+        self._data, self._event = [], ""
+        if not data:
+            return None
+        return SSEEvent("\n".join(data), event or "message", self._last_id)
+
+
+# --- the adapter base ------------------------------------------------------------------------
+
+
+def _timeout(name: str, value: float | None, *, optional: bool = False) -> float | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{name} must be a number of seconds > 0, not {value!r}")
+    return float(value)
+
+
+class EngineResponse:
+    """A streamed 2xx response being read; every httpx error becomes an AdapterError.
+
+    ``where`` (engine, URL, model) prefixes every message.
+    """
+
+    def __init__(self, response: httpx.Response, where: str, timeout: httpx.Timeout) -> None:
+        self.response = response
+        self.where = where
+        self._timeout = timeout
+        self._chunks = response.aiter_bytes()
+        self.received = 0  # body bytes so far
+
+    def __repr__(self) -> str:
+        return (
+            f"<EngineResponse {self.where} HTTP {self.response.status_code} read={self.received}>"
+        )
+
+    @property
+    def content_type(self) -> str:
+        return str(self.response.headers.get("content-type", "")).lower()
+
+    async def read(self) -> bytes:
+        """The next piece of the body; ``b""`` at its end."""
+        try:
+            data = await anext(self._chunks)
+        except StopAsyncIteration:
+            return b""
+        except httpx.HTTPError as exc:
+            raise transport_error(exc, self.where, self._timeout, streaming=True) from exc
+        self.received += len(data)
+        return data
+
+    async def read_all(self, limit: int) -> bytes:
+        """The rest of the body; ``bad_response`` past ``limit`` bytes."""
+        parts = []
+        size = 0
+        while data := await self.read():
+            parts.append(data)
+            size += len(data)
+            if size > limit:
+                raise AdapterError("bad_response", f"{self.where}: response over {limit} bytes")
+        return b"".join(parts)
+
+    async def drain(self) -> None:
+        """Best effort, after the final line: read the end of the body so the connection
+        can be reused. Never fails; gives up after :data:`DRAIN_TIMEOUT` or 64 KiB."""
+        with trio.move_on_after(DRAIN_TIMEOUT):
+            size = 0
+            try:
+                while size < 64 * 1024 and (data := await self.read()):
+                    size += len(data)
+            except AdapterError:
+                pass
+
+    async def aclose(self) -> None:
+        """Close the response (and its connection, if unfinished), even when cancelled."""
+        with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
+            try:
+                aclose = getattr(self._chunks, "aclose", None)
+                if aclose is not None:
+                    with suppress(httpx.HTTPError):
+                        await aclose()
+            finally:
+                with suppress(httpx.HTTPError):
+                    await self.response.aclose()
+
+
+class EngineStream:
+    """The chunks of one run, as :meth:`Adapter.open_stream` yields them."""
+
+    def __init__(self, chunks: AsyncGenerator[Chunk, None], *, run_id: str, where: str) -> None:
+        self._chunks = chunks
+        self.run_id = run_id
+        self.where = where
+
+    def __repr__(self) -> str:
+        return f"<EngineStream run {self.run_id} from {self.where}>"
+
+    def __aiter__(self) -> EngineStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        return await anext(self._chunks)
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+
+
+class HTTPAdapter(Adapter):
+    """Base of the HTTP adapters: URL, headers, timeouts and one shared httpx client.
+
+    Timeouts: ``connect_timeout`` to open a connection (and to get one from
+    the pool), ``write_timeout`` to send the request, ``read_timeout`` for
+    each wait on the engine, both for the response headers (which some
+    engines send only once the model is loaded) and between two chunks of
+    the stream; None waits for ever. The client is made on first use and
+    closed by :meth:`aclose`; an injected ``client`` is used as it is (these
+    timeouts still apply to each request) and is left open for its owner.
+    Environment proxy settings are ignored unless ``trust_env=True``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        base_url: str,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        read_timeout: float | None = DEFAULT_READ_TIMEOUT,
+        write_timeout: float = DEFAULT_WRITE_TIMEOUT,
+        max_concurrency: int | None = None,
+        headers: Mapping[str, str] | None = None,
+        client: httpx.AsyncClient | None = None,
+        trust_env: bool = False,
+    ) -> None:
+        super().__init__(name, capabilities=Capabilities(max_concurrency=max_concurrency))
+        try:
+            url = httpx.URL(base_url)
+        except httpx.InvalidURL:
+            url = httpx.URL()
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError(f"{self.kind} base_url must be an http(s) URL, not {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        connect = _timeout("connect_timeout", connect_timeout)
+        self.timeout = httpx.Timeout(
+            connect=connect,
+            read=_timeout("read_timeout", read_timeout, optional=True),
+            write=_timeout("write_timeout", write_timeout),
+            pool=connect,
+        )
+        self.headers: dict[str, str] = dict(headers or {})
+        self._client = client
+        self._owns_client = client is None
+        self._trust_env = trust_env
+
+    def __repr__(self) -> str:
+        cap = self.capabilities.max_concurrency
+        return (
+            f"<{type(self).__name__} {self.name!r} base_url={self.base_url!r} "
+            f"max_concurrency={cap}>"
+        )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The shared client (made on first use, again after :meth:`aclose`)."""
+        if self._client is None or (self._owns_client and self._client.is_closed):
+            self._client = httpx.AsyncClient(
+                timeout=self.timeout,
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
+                trust_env=self._trust_env,
+            )
+            self._owns_client = True
+        return self._client
+
+    async def aclose(self) -> None:
+        """Close the client this adapter made (an injected one is left open)."""
+        if self._client is not None and self._owns_client:
+            client, self._client = self._client, None
+            await client.aclose()
+
+    def where(self, url: str, model: str) -> str:
+        """How messages name an engine endpoint and model."""
+        return f"{self.kind} engine at {url} (model {model!r})"
+
+    def request_headers(self) -> dict[str, str]:
+        """Headers of every request (subclasses add e.g. Authorization)."""
+        return dict(self.headers)
+
+    @asynccontextmanager
+    async def post_stream(
+        self, url: str, body: Mapping[str, Any], request: AdapterRequest
+    ) -> AsyncIterator[EngineResponse]:
+        """POST ``body`` as JSON and yield the 2xx response, streamed.
+
+        Raises AdapterError for transport faults and non-2xx statuses (after
+        reading up to :data:`MAX_ERROR_BODY` of the body for the engine's
+        message). The response is closed before this returns, whatever the
+        way out, cancellation included.
+        """
+        where = self.where(url, request.model)
+        client = self.client
+        try:
+            http_request = client.build_request(
+                "POST", url, json=body, headers=self.request_headers(), timeout=self.timeout
+            )
+        except (TypeError, ValueError) as exc:  # a param value JSON cannot carry
+            raise AdapterError(
+                "invalid_params", f"{where}: cannot send the request: {exc}"
+            ) from exc
+        try:
+            response = await client.send(http_request, stream=True)
+        except httpx.HTTPError as exc:
+            raise transport_error(exc, where, self.timeout, streaming=False) from exc
+        engine = EngineResponse(response, where, self.timeout)
+        try:
+            if not response.is_success:
+                await self._raise_status(engine)
+            yield engine
+        finally:
+            await engine.aclose()
+
+    async def _raise_status(self, engine: EngineResponse) -> NoReturn:
+        body = b""
+        try:
+            while len(body) < MAX_ERROR_BODY and (data := await engine.read()):
+                body += data
+        except AdapterError:
+            pass  # the status says enough
+        response = engine.response
+        raise status_error(
+            response.status_code, response.reason_phrase, body[:MAX_ERROR_BODY], engine.where
+        )

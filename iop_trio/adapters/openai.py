@@ -1,0 +1,262 @@
+"""The ``openai`` adapter: OpenAI-compatible chat completions (vLLM, llama.cpp, ...) over httpx.
+
+Every run POSTs ``{base_url}/v1/chat/completions`` with ``"stream": true``
+(``base_url`` may already end in ``/v1``); a prompt-only run is sent as one
+user message. The response is read as server-sent events (see
+:class:`~iop_trio.adapters._http.SSEDecoder`): each event's data is one JSON
+chunk; ``choices[0].delta.content`` becomes a :class:`Delta`,
+``choices[0].finish_reason`` the ``done_reason``, and a ``usage`` object (a
+final chunk with no choices, asked for with ``stream_options``) the token
+counts. ``data: [DONE]`` ends the stream and yields the :class:`Completion`;
+anything after it is ignored. A server that ignores ``stream`` and answers
+with one ``application/json`` completion is accepted too.
+
+Params (target profile overlaid by run options; None means "not set"):
+``temperature``, ``top_p``, ``max_tokens``, ``stop``, ``seed``,
+``presence_penalty`` and ``frequency_penalty`` go into the body as they are;
+``extra_body`` (a mapping) is merged into the top level of the body last, so
+it can set anything except ``stream``. Other params are ignored.
+
+Failures (see :mod:`iop_trio.adapters._http` for transport faults): a non-2xx
+status -> ``engine_error`` with the status and the engine's message (OpenAI
+error JSON, a JSON string or plain text), or ``model_not_found`` for a 404
+about the model; an error mid-stream (``data: {"error": ...}``, an
+``event: error`` or llama.cpp's ``error:`` field) -> ``engine_error``; data
+that is not a JSON object -> ``bad_response``; a 2xx body with nothing in it
+-> ``empty_response``; a stream that ends without ``[DONE]`` ->
+``bad_response`` (truncated).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+
+from ._http import (
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_READ_TIMEOUT,
+    DEFAULT_WRITE_TIMEOUT,
+    MAX_LINE,
+    EngineResponse,
+    EngineStream,
+    HTTPAdapter,
+    LineTooLong,
+    SSEDecoder,
+    json_error,
+    parse_json,
+    quote,
+)
+from .base import (
+    AdapterError,
+    AdapterRequest,
+    Chunk,
+    Completion,
+    Delta,
+    Usage,
+)
+
+#: Params sent at the top level of the body as they are.
+PARAM_KEYS = (
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def _count(usage: Mapping[str, Any] | None, key: str) -> int | None:
+    value = usage.get(key) if usage is not None else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise AdapterError(
+            "bad_response", f"{where}: a chunk is not an object: {quote(str(value))}"
+        )
+    return value
+
+
+class _Progress:
+    """What the stream said so far about the end of the run."""
+
+    def __init__(self) -> None:
+        self.finish_reason = ""
+        self.usage: Mapping[str, Any] | None = None
+
+    def completion(self) -> Completion:
+        return Completion(
+            Usage(
+                self.finish_reason,
+                prompt_tokens=_count(self.usage, "prompt_tokens"),
+                completion_tokens=_count(self.usage, "completion_tokens"),
+            )
+        )
+
+    def take(self, chunk: Mapping[str, Any], key: str, where: str) -> str:
+        """Note finish_reason and usage of ``chunk``; return the text of choice 0 (``key`` is
+        ``delta`` for a stream chunk, ``message`` for a whole completion)."""
+        usage = chunk.get("usage")
+        if isinstance(usage, Mapping):
+            self.usage = usage
+        choices = chunk.get("choices")
+        if not choices:
+            return ""
+        if not isinstance(choices, list):
+            raise AdapterError("bad_response", f"{where}: 'choices' is not a list")
+        choice = next(
+            (c for c in choices if isinstance(c, Mapping) and c.get("index", 0) == 0), None
+        )
+        if choice is None:
+            return ""
+        reason = choice.get("finish_reason")
+        if isinstance(reason, str) and reason:
+            self.finish_reason = reason
+        part = choice.get(key)
+        content = part.get("content") if isinstance(part, Mapping) else None
+        if content is None or isinstance(content, str):
+            return content or ""
+        raise AdapterError("bad_response", f"{where}: content is not a string: {content!r}")
+
+
+class OpenAIAdapter(HTTPAdapter):
+    """An OpenAI-compatible server at ``base_url``; see the module docstring.
+
+    ``api_key`` is sent as ``Authorization: Bearer ...`` (never shown by
+    ``repr``). ``include_usage`` sends ``stream_options: {"include_usage":
+    true}`` so the server reports token counts; turn it off for servers that
+    reject unknown fields. Timeouts and the shared client are described in
+    :class:`~iop_trio.adapters._http.HTTPAdapter`.
+    """
+
+    kind = "openai"
+
+    def __init__(
+        self,
+        name: str = "openai",
+        *,
+        base_url: str,
+        api_key: str | None = None,
+        include_usage: bool = True,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        read_timeout: float | None = DEFAULT_READ_TIMEOUT,
+        write_timeout: float = DEFAULT_WRITE_TIMEOUT,
+        max_concurrency: int | None = None,
+        headers: Mapping[str, str] | None = None,
+        client: httpx.AsyncClient | None = None,
+        trust_env: bool = False,
+    ) -> None:
+        super().__init__(
+            name,
+            base_url=base_url,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            write_timeout=write_timeout,
+            max_concurrency=max_concurrency,
+            headers=headers,
+            client=client,
+            trust_env=trust_env,
+        )
+        self.api_key = api_key
+        self.include_usage = include_usage
+        root = self.base_url if self.base_url.endswith("/v1") else self.base_url + "/v1"
+        self.endpoint = root + "/chat/completions"
+
+    def request_headers(self) -> dict[str, str]:
+        headers = super().request_headers()
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    def request_body(self, request: AdapterRequest) -> dict[str, Any]:
+        """The JSON body for ``request``; AdapterError("invalid_params") for bad params."""
+        params = request.params
+        extra = params.get("extra_body")
+        if extra is not None and not isinstance(extra, Mapping):
+            raise AdapterError(
+                "invalid_params", f"openai param 'extra_body' must be a mapping, not {extra!r}"
+            )
+        if request.is_chat:
+            messages = [{"role": role, "content": content} for role, content in request.messages]
+        else:
+            messages = [{"role": "user", "content": request.prompt}]
+        body: dict[str, Any] = {"model": request.model, "messages": messages, "stream": True}
+        if self.include_usage:
+            body["stream_options"] = {"include_usage": True}
+        body.update({k: params[k] for k in PARAM_KEYS if params.get(k) is not None})
+        body.update(extra or {})
+        body["stream"] = True
+        return body
+
+    @asynccontextmanager
+    async def open_stream(self, request: AdapterRequest) -> AsyncIterator[AsyncIterator[Chunk]]:
+        body = self.request_body(request)
+        async with self.post_stream(self.endpoint, body, request) as response:
+            stream = EngineStream(
+                self._chunks(response), run_id=request.run_id, where=response.where
+            )
+            try:
+                yield stream
+            finally:
+                await stream.aclose()
+
+    async def _chunks(self, response: EngineResponse) -> AsyncGenerator[Chunk, None]:
+        where = response.where
+        progress = _Progress()
+        if response.content_type.startswith("application/json"):
+            # not streamed: one whole completion (or an error object)
+            body = await response.read_all(MAX_LINE)
+            if not body.strip():
+                raise AdapterError("empty_response", f"{where}: the engine sent an empty response")
+            completion = _object(parse_json(body, where), where)
+            message = json_error(completion)
+            if message is not None:
+                raise AdapterError("engine_error", f"{where}: engine error: {message}")
+            text = progress.take(completion, "message", where)
+            if text:
+                yield Delta(text)
+            yield progress.completion()
+            return
+        decoder = SSEDecoder()
+        seen = False
+        while data := await response.read():
+            seen = seen or bool(data.strip())
+            try:
+                events = decoder.feed(data)
+            except LineTooLong as exc:
+                raise AdapterError("bad_response", f"{where}: {exc}") from None
+            for event in events:
+                if event.event == "error":
+                    try:
+                        message = json_error(parse_json(event.data, where)) or event.data
+                    except AdapterError:
+                        message = event.data
+                    raise AdapterError(
+                        "engine_error", f"{where}: engine error mid-stream: {quote(message)}"
+                    )
+                if event.data.strip() == "[DONE]":
+                    yield progress.completion()
+                    await response.drain()
+                    return
+                chunk = _object(parse_json(event.data, where), where)
+                message = json_error(chunk)
+                if message is not None:
+                    raise AdapterError(
+                        "engine_error", f"{where}: engine error mid-stream: {quote(message)}"
+                    )
+                text = progress.take(chunk, "delta", where)
+                if text:
+                    yield Delta(text)
+        if not seen:
+            raise AdapterError("empty_response", f"{where}: the engine sent an empty response")
+        raise AdapterError(
+            "bad_response",
+            f"{where}: the stream ended without 'data: [DONE]': truncated "
+            f"(content-type {response.content_type or 'not given'!r})",
+        )

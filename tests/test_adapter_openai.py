@@ -1,0 +1,604 @@
+"""The openai adapter against a real local HTTP server speaking OpenAI's SSE chat API.
+
+Real clock: sockets are involved. Nothing sleeps; the tests wait on
+server-side events, under ``trio.fail_after`` bounds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from iop_trio.adapters import (
+    AdapterError,
+    AdapterRequest,
+    Chunk,
+    Completion,
+    Delta,
+    OpenAIAdapter,
+    default_registry,
+)
+from iop_trio.adapters._http import SSEDecoder, SSEEvent
+from iop_trio.runtime import EventKind, RunSpec, RunStatus, Usage
+
+from .engines import (
+    JSON,
+    SSE,
+    SSE_DONE,
+    EngineServer,
+    Reply,
+    make_node,
+    next_event,
+    openai_chunk,
+    openai_error,
+    openai_reply,
+    openai_stream,
+    recording_client,
+    refused_port,
+    run_to_end,
+    serve,
+    sse,
+    wait_end,
+)
+
+PROMPT = AdapterRequest(run_id="r1", model="qwen", prompt="Say hi")
+CHAT = AdapterRequest(run_id="r2", model="qwen", messages=(("system", "be brief"), ("user", "hi")))
+PATH = "/v1/chat/completions"
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[EngineServer]:
+    async with serve() as s:
+        yield s
+
+
+def openai(server: EngineServer, **kw: Any) -> OpenAIAdapter:
+    kw.setdefault("read_timeout", 10.0)
+    kw.setdefault("connect_timeout", 5.0)
+    return OpenAIAdapter("vllm", base_url=server.url, **kw)
+
+
+async def collect(adapter: OpenAIAdapter, request: AdapterRequest) -> list[Chunk]:
+    with trio.fail_after(10):
+        async with adapter.open_stream(request) as chunks:
+            return [chunk async for chunk in chunks]
+
+
+async def failure(adapter: OpenAIAdapter, request: AdapterRequest = PROMPT) -> AdapterError:
+    with pytest.raises(AdapterError) as info:
+        await collect(adapter, request)
+    return info.value
+
+
+def assert_names_engine(message: str, url: str) -> None:
+    assert f"{url}{PATH}" in message
+    assert "'qwen'" in message
+
+
+# --- streaming --------------------------------------------------------------------------------
+
+
+async def test_prompt_streams_deltas_finish_reason_and_usage(server):
+    server.push(openai_reply(["Hi", " there"], finish_reason="length", usage=(9, 2)))
+    async with openai(server, api_key="sk-test") as adapter:
+        chunks = await collect(adapter, PROMPT)
+    assert chunks == [
+        Delta("Hi"),
+        Delta(" there"),
+        Completion(Usage("length", prompt_tokens=9, completion_tokens=2)),
+    ]
+    [exchange] = server.exchanges
+    assert (exchange.method, exchange.path) == ("POST", PATH)
+    assert exchange.headers["authorization"] == "Bearer sk-test"
+    assert exchange.json == {
+        "model": "qwen",
+        "messages": [{"role": "user", "content": "Say hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def test_chat_without_usage_option_or_key(server):
+    server.push(openai_reply(["ok"], usage=None))
+    async with openai(server, include_usage=False) as adapter:
+        chunks = await collect(adapter, CHAT)
+    assert chunks == [Delta("ok"), Completion(Usage("stop"))]
+    [exchange] = server.exchanges
+    assert "authorization" not in exchange.headers
+    assert exchange.json == {
+        "model": "qwen",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hi"},
+        ],
+        "stream": True,
+    }
+
+
+async def test_base_url_may_end_in_v1(server):
+    server.push(openai_reply(["ok"]))
+    async with OpenAIAdapter(base_url=server.url + "/v1/") as adapter:
+        await collect(adapter, PROMPT)
+    assert server.exchanges[0].path == PATH
+
+
+async def test_sse_edge_cases_on_the_wire(server):
+    """Comments, CRLF and CR line ends, multi-line data, event/id/retry fields, a BOM,
+    no space after the colon, and every event split across TCP writes."""
+    first = json.dumps(openai_chunk("a\nb")).replace(', "', ',\n"')  # JSON over several lines
+    body = (
+        "\ufeff: this is a comment\r\n"
+        "retry: 100\r\n\r\n"
+        + "".join(f"data: {line}\r\n" for line in first.split("\n"))
+        + "id: 1\r\n\r\n"
+        + "event: message\r"
+        + f"data:{json.dumps(openai_chunk('c', finish_reason='stop'))}\r\r"
+        + ": keep-alive\n\n"
+        + "data: [DONE]\n\n"
+    ).encode()
+    parts = [body[i : i + 7] for i in range(0, len(body), 7)]
+    server.push(Reply(content_type=SSE, parts=parts))
+    async with openai(server) as adapter:
+        chunks = await collect(adapter, PROMPT)
+    assert chunks == [Delta("a\nb"), Delta("c"), Completion(Usage("stop"))]
+
+
+async def test_deltas_arrive_as_the_engine_sends_them(server):
+    reply = server.push(Reply(content_type=SSE, end="hang"))
+    async with openai(server) as adapter:
+        node = make_node(adapter, model="qwen")
+        async with node.running():
+            run = (await node.manager.submit(RunSpec("vllm/qwen", prompt="hi"))).record.run_id
+            await reply.request()
+            for seq, word in enumerate(["one", " two"], start=3):
+                await reply.send(sse(openai_chunk(word)))
+                event = await next_event(node, run, seq - 1)
+                assert (event.kind, event.text) == (EventKind.DELTA, word)
+            await reply.send(sse(openai_chunk(finish_reason="stop")) + SSE_DONE)
+            await reply.finish()
+            record, _ = await wait_end(node, run)
+    assert (record.status, record.usage) == (RunStatus.SUCCEEDED, Usage("stop"))
+
+
+async def test_non_streamed_json_answer_is_accepted(server):
+    completion = {
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "whole"},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+    }
+    server.push(Reply(content_type=JSON, parts=[json.dumps(completion).encode()]))
+    async with openai(server) as adapter:
+        chunks = await collect(adapter, PROMPT)
+    assert chunks == [Delta("whole"), Completion(Usage("stop", 3, 1))]
+
+
+async def test_runs_reuse_one_connection(server):
+    server.push(openai_reply(["a"]))
+    server.push(openai_reply(["b"]))
+    async with openai(server) as adapter:
+        await collect(adapter, PROMPT)
+        await collect(adapter, PROMPT)
+    assert [e.connection.id for e in server.exchanges] == [1, 1]
+
+
+# --- params -----------------------------------------------------------------------------------
+
+
+async def test_params_and_extra_body_map_to_the_body(server):
+    server.push(openai_reply(["ok"]))
+    params = {
+        "temperature": 0.3,
+        "top_p": 0.8,
+        "max_tokens": 64,
+        "stop": ["\n"],
+        "seed": 5,
+        "presence_penalty": 0.1,
+        "frequency_penalty": 0.2,
+        "top_k": 3,  # not an OpenAI param: ignored (use extra_body)
+        "extra_body": {"top_k": 20, "repetition_penalty": 1.05, "stream": False, "seed": 6},
+    }
+    request = AdapterRequest(run_id="r", model="qwen", prompt="p", params=params)
+    async with openai(server) as adapter:
+        await collect(adapter, request)
+    assert server.exchanges[0].json == {
+        "model": "qwen",
+        "messages": [{"role": "user", "content": "p"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.3,
+        "top_p": 0.8,
+        "max_tokens": 64,
+        "stop": ["\n"],
+        "seed": 6,
+        "presence_penalty": 0.1,
+        "frequency_penalty": 0.2,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+    }
+
+
+@pytest.mark.parametrize("params", [{"extra_body": "x"}, {"temperature": {0.5}}])
+async def test_bad_params_fail_before_any_request(server, params):
+    request = AdapterRequest(run_id="r", model="qwen", prompt="p", params=params)
+    async with openai(server) as adapter:
+        error = await failure(adapter, request)
+    assert error.reason == "invalid_params"
+    assert server.exchanges == []
+
+
+async def test_profile_params_and_run_options_reach_the_engine(server):
+    server.push(openai_reply(["ok"]))
+    async with openai(server) as adapter:
+        node = make_node(adapter, model="qwen", params={"temperature": 0.1, "max_tokens": 8})
+        async with node.running():
+            spec = RunSpec("vllm/qwen", prompt="p", options={"max_tokens": 16})
+            record, _ = await run_to_end(node, spec)
+    assert record.status is RunStatus.SUCCEEDED
+    body = server.exchanges[0].json
+    assert (body["temperature"], body["max_tokens"]) == (0.1, 16)
+
+
+# --- through the runtime ----------------------------------------------------------------------
+
+
+async def test_run_end_to_end_stores_deltas_and_usage(server):
+    server.push(openai_reply(["Hel", "lo"], usage=(4, 2)))
+    async with openai(server) as adapter:
+        node = make_node(adapter, model="qwen")
+        async with node.running():
+            record, events = await run_to_end(node, RunSpec("vllm/qwen", prompt="hi"))
+    assert [e.kind for e in events] == [
+        EventKind.QUEUED,
+        EventKind.STARTED,
+        EventKind.DELTA,
+        EventKind.DELTA,
+        EventKind.SUCCEEDED,
+    ]
+    assert "".join(e.text for e in events) == "Hello"
+    assert record.usage == Usage("stop", prompt_tokens=4, completion_tokens=2)
+
+
+async def test_two_runs_stream_at_once(server):
+    replies = [server.push(Reply(content_type=SSE, end="hang")) for _ in range(2)]
+    async with openai(server) as adapter:
+        node = make_node(adapter, model="qwen", concurrency=2)
+        async with node.running():
+            runs = {}
+            for prompt in ("A", "B"):
+                spec = RunSpec("vllm/qwen", prompt=prompt)
+                runs[prompt] = (await node.manager.submit(spec)).record.run_id
+            # both requests are open at the engine before either has an answer
+            exchanges = [await reply.request() for reply in replies]
+            by_prompt = {
+                e.json["messages"][0]["content"]: r for e, r in zip(exchanges, replies, strict=True)
+            }
+            await by_prompt["B"].send(sse(openai_chunk("b1")))
+            await by_prompt["A"].send(sse(openai_chunk("a1")))
+            for prompt, reply in by_prompt.items():
+                await reply.send(b"".join(openai_stream([prompt.lower() + "2"])))
+                await reply.finish()
+            results = {p: await wait_end(node, run) for p, run in runs.items()}
+    for prompt, (record, events) in results.items():
+        assert record.status is RunStatus.SUCCEEDED
+        text = "".join(e.text for e in events if e.kind is EventKind.DELTA)
+        assert text == f"{prompt.lower()}1{prompt.lower()}2"
+    assert exchanges[0].connection is not exchanges[1].connection
+
+
+async def run_failing(server: EngineServer, reply: Reply | None, **kw: Any) -> tuple[Any, Any]:
+    if reply is not None:
+        server.push(reply)
+    async with openai(server, **kw) as adapter:
+        node = make_node(adapter, model="qwen")
+        async with node.running():
+            return await run_to_end(node, RunSpec("vllm/qwen", prompt="hi"))
+
+
+@pytest.mark.parametrize(
+    ("reply", "words"),
+    [
+        (
+            openai_error(400, "max_tokens must be at least 1, got -1."),
+            "HTTP 400 Bad Request: max_tokens must be at least 1, got -1. (invalid_request_error)",
+        ),
+        (
+            Reply(500, parts=[b'"the server is overloaded"'], content_length=True),
+            "HTTP 500 Internal Server Error: the server is overloaded",
+        ),
+        (
+            Reply(503, content_type="text/html", parts=[b"<h1>Service\n Unavailable</h1>"]),
+            "HTTP 503 Service Unavailable: <h1>Service Unavailable</h1>",
+        ),
+        (
+            Reply(
+                400,
+                parts=[b'{"object": "error", "message": "old vLLM says no", "code": 400}'],
+            ),
+            "HTTP 400 Bad Request: old vLLM says no",
+        ),
+        (
+            Reply(
+                422,
+                parts=[b'{"detail": [{"loc": ["body", "messages"], "msg": "field required"}]}'],
+            ),
+            "HTTP 422 Unprocessable Entity: body.messages: field required",
+        ),
+        (Reply(502, content_type=None), "HTTP 502 Bad Gateway: no details"),
+    ],
+)
+async def test_error_status_fails_the_run_with_the_engine_message(server, reply, words):
+    record, events = await run_failing(server, reply)
+    assert (record.status, record.reason) == (RunStatus.FAILED, "engine_error")
+    assert words in record.message
+    assert_names_engine(record.message, server.url)
+    assert events[-1].kind is EventKind.FAILED
+
+
+async def test_401_names_the_status(server):
+    record, _ = await run_failing(server, openai_error(401, "Invalid API key", type="auth"))
+    assert record.reason == "engine_error"
+    assert "HTTP 401 Unauthorized: Invalid API key (auth)" in record.message
+
+
+async def test_404_for_a_missing_model_is_model_not_found(server):
+    reply = openai_error(404, "The model `qwen` does not exist.", type="NotFoundError")
+    record, _ = await run_failing(server, reply)
+    assert (record.status, record.reason) == (RunStatus.FAILED, "model_not_found")
+    assert "The model `qwen` does not exist." in record.message
+
+
+@pytest.mark.parametrize(
+    ("error_part", "words"),
+    [
+        (
+            sse({"error": {"message": "CUDA out of memory", "type": "InternalServerError"}}),
+            "CUDA out of memory (InternalServerError)",
+        ),
+        (sse({"object": "error", "message": "old style", "code": 500}), "old style"),
+        (sse({"message": "in an error event"}, event="error"), '{"message": "in an error event"}'),
+        (b'error: {"code": 500, "message": "llama.cpp says no"}\n\n', "llama.cpp says no"),
+    ],
+)
+async def test_error_mid_stream_fails_the_run(server, error_part, words):
+    parts = [*openai_stream(["partial"], done=False, usage=None)[:2], error_part]
+    record, events = await run_failing(server, Reply(content_type=SSE, parts=parts))
+    assert (record.status, record.reason) == (RunStatus.FAILED, "engine_error")
+    assert "engine error mid-stream" in record.message
+    assert words in record.message
+    assert_names_engine(record.message, server.url)
+    assert [e.text for e in events if e.kind is EventKind.DELTA] == ["partial"]
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        b"data: {not json\n\n",
+        b"data: [1]\n\n",
+        b'data: {"choices": {"0": 1}}\n\n',
+        b'data: {"choices": [{"index": 0, "delta": {"content": 5}}]}\n\n',
+    ],
+)
+async def test_bad_data_is_bad_response(server, part):
+    record, _ = await run_failing(server, Reply(content_type=SSE, parts=[part, SSE_DONE]))
+    assert (record.status, record.reason) == (RunStatus.FAILED, "bad_response")
+    assert_names_engine(record.message, server.url)
+
+
+@pytest.mark.parametrize("content_length", [True, False])
+@pytest.mark.parametrize("content_type", [SSE, JSON])
+async def test_empty_200_is_empty_response(server, content_length, content_type):
+    reply = Reply(content_type=content_type, parts=[], content_length=content_length)
+    record, _ = await run_failing(server, reply)
+    assert (record.status, record.reason) == (RunStatus.FAILED, "empty_response")
+    assert_names_engine(record.message, server.url)
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        openai_stream(["a"], done=False),
+        [*openai_stream(["a"])[:-1], b"data: [DONE]\n"],  # no blank line after it
+    ],
+)
+async def test_stream_without_done_is_truncated(server, parts):
+    record, events = await run_failing(server, Reply(content_type=SSE, parts=parts))
+    assert (record.status, record.reason) == (RunStatus.FAILED, "bad_response")
+    assert "without 'data: [DONE]': truncated" in record.message
+    assert [e.text for e in events if e.kind is EventKind.DELTA] == ["a"]
+
+
+async def test_html_page_instead_of_a_stream_is_bad_response(server):
+    reply = Reply(content_type="text/html", parts=[b"<html>hello</html>"])
+    record, _ = await run_failing(server, reply)
+    assert record.reason == "bad_response"
+    assert "content-type 'text/html'" in record.message
+
+
+@pytest.mark.parametrize("end", ["abort", "reset"])
+async def test_connection_dropped_mid_stream_is_connection(server, end):
+    reply = openai_reply(["a"], done=False, usage=None, end=end)
+    record, events = await run_failing(server, reply)
+    assert (record.status, record.reason) == (RunStatus.FAILED, "connection")
+    assert_names_engine(record.message, server.url)
+    assert [e.text for e in events if e.kind is EventKind.DELTA] == ["a"]
+
+
+async def test_engine_that_never_answers_times_out(server):
+    reply = server.push(Reply.silent())
+    record, _ = await run_failing(server, None, read_timeout=0.5)
+    assert (record.status, record.reason) == (RunStatus.FAILED, "timeout")
+    assert "no response within 0.5s" in record.message
+    assert_names_engine(record.message, server.url)
+    with trio.fail_after(5):
+        await (await reply.request()).disconnected.wait()
+
+
+async def test_stream_that_stalls_times_out(server):
+    reply = server.push(Reply(content_type=SSE, parts=openai_stream(["a"])[:2], end="hang"))
+    record, events = await run_failing(server, None, read_timeout=0.5)
+    assert (record.status, record.reason) == (RunStatus.FAILED, "timeout")
+    assert "stalled: no data for 0.5s" in record.message
+    assert [e.text for e in events if e.kind is EventKind.DELTA] == ["a"]
+    with trio.fail_after(5):
+        await (await reply.request()).disconnected.wait()
+
+
+async def test_comments_alone_do_not_keep_a_stalled_stream_alive_forever(server):
+    """A keep-alive comment resets the read timeout (it is data), then silence ends the run."""
+    pace = trio.Event()
+    parts = [b": ping\n\n", pace, b": ping\n\n"]
+    reply = server.push(Reply(content_type=SSE, parts=parts, end="hang"))
+    async with trio.open_nursery() as nursery:
+
+        async def ping_after_request() -> None:
+            await reply.request()
+            pace.set()
+
+        nursery.start_soon(ping_after_request)
+        record, _ = await run_failing(server, None, read_timeout=0.5)
+    assert record.reason == "timeout"
+    assert len(reply.written) == 2
+
+
+async def test_connection_refused_fails_the_run():
+    with refused_port() as port:
+        adapter = OpenAIAdapter("vllm", base_url=f"http://127.0.0.1:{port}", connect_timeout=5)
+        node = make_node(adapter, model="qwen")
+        async with node.running():
+            record, _ = await run_to_end(node, RunSpec("vllm/qwen", prompt="hi"))
+    assert (record.status, record.reason) == (RunStatus.FAILED, "connection")
+    assert f"openai engine at http://127.0.0.1:{port}{PATH} (model 'qwen')" in record.message
+
+
+# --- cancellation -----------------------------------------------------------------------------
+
+
+async def test_cancel_mid_stream_closes_the_http_stream(server):
+    reply = server.push(openai_reply(["first"], done=False, usage=None, end="hang"))
+    client, responses = recording_client()
+    async with client, openai(server, client=client) as adapter:
+        node = make_node(adapter, model="qwen")
+        async with node.running():
+            run = (await node.manager.submit(RunSpec("vllm/qwen", prompt="hi"))).record.run_id
+            assert (await next_event(node, run, 2)).text == "first"
+            exchange = await reply.request()
+            assert not exchange.disconnected.is_set()
+            outcome = await node.manager.cancel(run)
+            assert responses[0].is_closed
+            with trio.fail_after(5):
+                await exchange.disconnected.wait()
+            record, events = await wait_end(node, run)
+    assert outcome.cancelled
+    assert (record.status, record.reason) == (RunStatus.CANCELLED, "cancelled")
+    assert [e.kind for e in events] == [
+        EventKind.QUEUED,
+        EventKind.STARTED,
+        EventKind.DELTA,
+        EventKind.CANCELLED,
+    ]
+
+
+async def test_node_shutdown_closes_open_streams(server):
+    reply = server.push(openai_reply(["first"], done=False, usage=None, end="hang"))
+    async with openai(server) as adapter:
+        node = make_node(adapter, model="qwen")
+        async with node.running():
+            run = (await node.manager.submit(RunSpec("vllm/qwen", prompt="hi"))).record.run_id
+            await next_event(node, run, 2)
+        record = await node.store.get(run)
+        assert record is not None
+        assert (record.status, record.reason) == (RunStatus.CANCELLED, "node_shutdown")
+        with trio.fail_after(5):
+            await (await reply.request()).disconnected.wait()
+
+
+async def test_leaving_open_stream_early_closes_the_response_before_it_returns(server):
+    reply = server.push(openai_reply(["a", "b"], done=False, end="hang"))
+    client, responses = recording_client()
+    async with client, openai(server, client=client) as adapter:
+        async with adapter.open_stream(PROMPT) as chunks:
+            async for chunk in chunks:
+                assert chunk == Delta("a")
+                break
+        assert responses[0].is_closed
+        with trio.fail_after(5):
+            await (await reply.request()).disconnected.wait()
+
+
+# --- the adapter itself -----------------------------------------------------------------------
+
+
+def test_registry_builds_openai_adapters_and_repr_hides_the_key():
+    adapter = default_registry().create(
+        "openai", "vllm", base_url="http://gpu:8000", api_key="sk-secret", max_concurrency=4
+    )
+    assert isinstance(adapter, OpenAIAdapter)
+    assert adapter.capabilities.max_concurrency == 4
+    assert repr(adapter) == "<OpenAIAdapter 'vllm' base_url='http://gpu:8000' max_concurrency=4>"
+    assert "sk-secret" not in repr(adapter)
+
+
+# --- the SSE decoder (sans-IO) ----------------------------------------------------------------
+
+
+def decode(*chunks: bytes) -> list[SSEEvent]:
+    decoder = SSEDecoder()
+    return [event for chunk in chunks for event in decoder.feed(chunk)]
+
+
+@pytest.mark.parametrize(
+    ("stream", "events"),
+    [
+        (b"data: a\n\n", [SSEEvent("a")]),
+        (b"data:a\ndata:  b\n\n", [SSEEvent("a\n b")]),
+        (b"data\n\n", [SSEEvent("")]),
+        (b"data: a\r\n\r\ndata: b\r\rdata: c\n\n", [SSEEvent("a"), SSEEvent("b"), SSEEvent("c")]),
+        (
+            b"event: x\nid: 7\ndata: a\n\ndata: b\n\n",
+            [SSEEvent("a", "x", "7"), SSEEvent("b", id="7")],
+        ),
+        (b": comment\nevent: x\n\ndata: a\n\n", [SSEEvent("a")]),  # no data: nothing dispatched
+        (b"\xef\xbb\xbfdata: a\n\n", [SSEEvent("a")]),
+        (b"dat\xc3\xa0: x\nfoo: y\ndata: \xff\n\n", [SSEEvent("\ufffd")]),
+        (b"data: cut off at the end", []),
+        (b"data: no blank line\n", []),
+        (b'error: {"message": "m"}\n\n', [SSEEvent('{"message": "m"}', "error")]),
+    ],
+)
+def test_sse_decoder(stream, events):
+    assert decode(stream) == events
+
+
+SSE_TEXT = st.lists(
+    st.one_of(
+        st.text(alphabet="ab: \u2028é", max_size=8).map(lambda t: f"data: {t}"),
+        st.sampled_from(["", ": c", "event: e", "id: 1", "retry: 5", "data"]),
+    ),
+    max_size=12,
+)
+
+
+@given(
+    lines=SSE_TEXT,
+    eol=st.sampled_from(["\n", "\r\n", "\r"]),
+    cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=8),
+)
+def test_sse_decoder_ignores_chunking(lines, eol, cuts):
+    stream = "".join(line + eol for line in lines).encode()
+    whole = decode(stream)
+    bounds = sorted({c for c in cuts if c <= len(stream)} | {0, len(stream)})
+    pieces = [stream[a:b] for a, b in itertools.pairwise(bounds)]
+    assert decode(*pieces) == whole
+    assert len(whole) <= sum(1 for line in lines if line == "")
