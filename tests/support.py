@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import attrs
 import trio
@@ -17,8 +18,9 @@ from iop_trio.adapters.base import (
     Chunk,
     Completion,
     Delta,
+    Usage,
 )
-from iop_trio.adapters.base import Usage
+from iop_trio.adapters.echo import EchoAdapter
 
 
 @attrs.define(eq=False)
@@ -80,3 +82,28 @@ class ScriptedAdapter(Adapter):
             else:
                 yield Completion(Usage("stop"))
                 return
+
+
+class CountingEcho(EchoAdapter):
+    """An echo adapter that records the most streams open at once, per model and in all."""
+
+    def __init__(self, name: str = "echo", **kwargs: Any) -> None:
+        super().__init__(name, **kwargs)
+        self.active_by_model: dict[str, int] = {}
+        self.peak_by_model: dict[str, int] = {}
+        self.peak = 0
+
+    @asynccontextmanager
+    async def open_stream(self, request: AdapterRequest) -> AsyncIterator[AsyncIterator[Chunk]]:
+        model = request.model
+        self.active_by_model[model] = self.active_by_model.get(model, 0) + 1
+        self.peak_by_model[model] = max(
+            self.peak_by_model.get(model, 0), self.active_by_model[model]
+        )
+        self.peak = max(self.peak, self.active)
+        try:
+            async with super().open_stream(request) as chunks:
+                self.peak = max(self.peak, self.active)
+                yield chunks
+        finally:
+            self.active_by_model[model] -= 1

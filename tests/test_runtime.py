@@ -556,3 +556,57 @@ def test_bad_node_config_is_refused():
 
 def test_adapter_error_repr():
     assert repr(AdapterError("timeout", "slow")) == "AdapterError('timeout', 'slow')"
+
+
+async def test_run_options_merge_into_profile_params_one_level_deep():
+    from iop_trio.runtime.manager import overlay
+
+    profile = {"options": {"num_ctx": 8192, "temperature": 0.7}, "keep_alive": "5m"}
+    run = {"options": {"temperature": 0.0}, "seed": 1}
+    assert overlay(profile, run) == {
+        "options": {"num_ctx": 8192, "temperature": 0.0},
+        "keep_alive": "5m",
+        "seed": 1,
+    }
+    assert profile["options"] == {"num_ctx": 8192, "temperature": 0.7}  # not mutated
+
+
+class ChattyAdapter(ScriptedAdapter):
+    """Sends a delta after its Completion: the runtime must ignore it."""
+
+    def open_stream(self, request):  # type: ignore[no-untyped-def]
+        from contextlib import asynccontextmanager
+
+        from iop_trio.adapters import Completion, Delta, Usage
+
+        @asynccontextmanager
+        async def stream():  # type: ignore[no-untyped-def]
+            async def chunks():  # type: ignore[no-untyped-def]
+                yield Delta("a")
+                yield Completion(Usage("stop", 1, 1))
+                yield Delta("late")
+                yield Completion(Usage("length", 9, 9))
+
+            yield chunks()
+
+        return stream()
+
+
+async def test_the_first_completion_ends_the_run():
+    node = Node(node_id="t", adapters=[ChattyAdapter(name="c")], targets=[TargetSpec("c", "m")])
+    async with node.running():
+        run_id = (await node.manager.submit(RunSpec("c/m", "p"))).record.run_id
+        await node.manager.wait_idle()
+        events = await node.store.events(run_id)
+        assert [e.text for e in events if e.kind is EventKind.DELTA] == ["a"]
+        assert events[-1].usage is not None and events[-1].usage.done_reason == "stop"
+
+
+async def test_a_node_can_run_again_after_it_stopped():
+    node, _adapter = make_node()
+    async with node.running():
+        first = await submit(node)
+    async with node.running():
+        second = await submit(node)
+        assert await status(node, second) is RunStatus.RUNNING
+    assert await status(node, first) is RunStatus.CANCELLED

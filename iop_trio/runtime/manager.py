@@ -198,6 +198,22 @@ class RunWatcher:
         return event
 
 
+def overlay(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``over`` on top; where both hold a dict under one key, those merge too.
+
+    So a run's ``options={"options": {"temperature": 0}}`` keeps the profile's
+    ``options.num_ctx``.
+    """
+    merged = dict(base)
+    for key, value in over.items():
+        old = merged.get(key)
+        if isinstance(old, Mapping) and isinstance(value, Mapping):
+            merged[key] = overlay(old, value)
+        else:
+            merged[key] = value
+    return merged
+
+
 def _new_run_id() -> str:
     return uuid.uuid4().hex
 
@@ -324,7 +340,7 @@ class RunManager:
                 model=target.model,
                 prompt=spec.prompt,
                 messages=spec.messages,
-                params={**target.params, **spec.options},
+                params=overlay(target.params, spec.options),
             )
             return await self._execute(live, self._adapters[target.adapter], request)
 
@@ -338,6 +354,7 @@ class RunManager:
                             await self._emit(live, live.state.delta(chunk.text, time=self._now()))
                     else:
                         usage = chunk.usage
+                        break  # the Completion ends the run: nothing after it counts
         except AdapterError as exc:
             return _Outcome(RunStatus.FAILED, exc.reason, exc.message)
         return _Outcome(RunStatus.SUCCEEDED, usage=usage)

@@ -189,6 +189,7 @@ class Node:
                 raise group.exceptions[0] from None
             raise
         finally:
+            self._manager = None  # it may run again; the gate and the store carry over
             with trio.CancelScope(shield=True):
                 for adapter in self._adapters.values():
                     try:

@@ -314,12 +314,14 @@ class RunSummary(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., target: _Optional[str] = ..., status: _Optional[_Union[RunStatus, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., background: _Optional[bool] = ..., created: _Optional[float] = ..., started: _Optional[float] = ..., finished: _Optional[float] = ..., last_seq: _Optional[int] = ...) -> None: ...
 
 class RunInfo(_message.Message):
-    __slots__ = ("run", "events")
+    __slots__ = ("run", "events", "more_events")
     RUN_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    MORE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     run: RunSummary
     events: _containers.RepeatedCompositeFieldContainer[RunEvent]
-    def __init__(self, run: _Optional[_Union[RunSummary, _Mapping]] = ..., events: _Optional[_Iterable[_Union[RunEvent, _Mapping]]] = ...) -> None: ...
+    more_events: bool
+    def __init__(self, run: _Optional[_Union[RunSummary, _Mapping]] = ..., events: _Optional[_Iterable[_Union[RunEvent, _Mapping]]] = ..., more_events: _Optional[bool] = ...) -> None: ...
 
 class ListRuns(_message.Message):
     __slots__ = ("statuses", "target", "limit")

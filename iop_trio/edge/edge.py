@@ -1,0 +1,333 @@
+"""The reference edge: accepts nodes, keeps their Hello, routes runs to them.
+
+Two proto-socket endpoints on one port:
+
+- ``/node``: nodes dial in and send Hello; the edge answers HelloAck and
+  from then on sends them run requests. A node that reconnects with the
+  same id replaces its old session.
+- ``/client``: run requests from clients (the ``iop-node submit`` CLI),
+  routed to a node that serves the target (the one with the fewest runs in
+  flight through this edge) and relayed back, events and all. A client that
+  goes away cancels the foreground runs it was following.
+
+The Python API (:meth:`Edge.run`, :meth:`Edge.cancel`, :meth:`Edge.node`...)
+does the same routing for code running next to the edge.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+
+import trio
+from trio_websocket import WebSocketConnection
+
+from ..protocol import Request, Role, pb
+from ..runtime.manager import RunSpec
+from ..transport.runner_client import RunnerClient, RunStream
+from ..transport.server import serve_proto
+from ..transport.session import ProtoSession, RemoteError, SessionClosed, SessionSettings
+
+log = logging.getLogger(__name__)
+
+RUN_OWNERS_KEPT = 100_000
+
+
+class NoNode(LookupError):
+    """No connected node serves that target (or knows that run)."""
+
+
+class NodeHandle(RunnerClient):
+    """A connected node: its Hello and the calls the edge can make on it."""
+
+    def __init__(self, hello: pb.Hello, session: ProtoSession) -> None:
+        super().__init__(session)
+        self.hello = hello
+        self.in_flight = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<NodeHandle {self.node_id!r} targets={sorted(self.targets)} "
+            f"in_flight={self.in_flight} {'closed' if self.session.closed else 'open'}>"
+        )
+
+    @property
+    def node_id(self) -> str:
+        return self.hello.node_id
+
+    @property
+    def targets(self) -> set[str]:
+        return {t.name for t in self.hello.targets}
+
+
+class Edge:
+    """See the module docstring. ``token`` None accepts anyone (tests, demos)."""
+
+    def __init__(
+        self,
+        *,
+        token: str | None,
+        edge_id: str = "edge",
+        settings: SessionSettings | None = None,
+    ) -> None:
+        self.token = token
+        self.edge_id = edge_id
+        self.settings = settings or SessionSettings()
+        self.nodes: dict[str, NodeHandle] = {}
+        self.port: int | None = None
+        self.host = "127.0.0.1"
+        self._changed = trio.Event()
+        self._run_owner: OrderedDict[str, str] = OrderedDict()
+
+    def __repr__(self) -> str:
+        return f"<Edge {self.edge_id!r} port={self.port} nodes={sorted(self.nodes)}>"
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("the edge is not serving yet")
+        return f"ws://{self.host}:{self.port}"
+
+    @property
+    def node_url(self) -> str:
+        return f"{self.url}/node"
+
+    @property
+    def client_url(self) -> str:
+        return f"{self.url}/client"
+
+    async def serve(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Listen until cancelled; ``task_status`` gets the bound port."""
+        self.host = host
+        async with trio.open_nursery() as nursery:
+            self.port = await nursery.start(
+                lambda task_status: serve_proto(
+                    {"/node": self._on_node, "/client": self._on_client},
+                    host,
+                    port,
+                    token=self.token,
+                    max_message_size=self.settings.max_message_size,
+                    task_status=task_status,
+                )
+            )
+            log.info("edge %s listening on %s", self.edge_id, self.url)
+            task_status.started(self.port)
+
+    # --- nodes ---------------------------------------------------------------------------
+
+    async def _on_node(self, ws: WebSocketConnection) -> None:
+        session = ProtoSession(
+            ws, Role.EDGE, handler=self._on_node_request, settings=self.settings, name="node?"
+        )
+        try:
+            reason = await session.run()
+        finally:
+            for node_id, handle in list(self.nodes.items()):
+                if handle.session is session:
+                    del self.nodes[node_id]
+                    self._notify()
+                    log.info("edge: node %s left (%s)", node_id, session.close_reason)
+        log.debug("edge: node session %s ended: %s", session.name, reason)
+
+    async def _on_node_request(self, session: ProtoSession, request: Request) -> None:
+        hello = request.message
+        assert isinstance(hello, pb.Hello)
+        if not hello.node_id:
+            await session.error(request.nonce, pb.ERROR_CODE_INVALID, "hello without a node_id")
+            return
+        old = self.nodes.get(hello.node_id)
+        if old is not None and old.session is not session:
+            log.warning("edge: node %s reconnected; closing its old session", hello.node_id)
+            await old.session.aclose(4000, "replaced by a newer session")
+        session.name = f"node:{hello.node_id}"
+        self.nodes[hello.node_id] = NodeHandle(hello, session)
+        await session.reply(
+            request.nonce, "hello_ack", pb.HelloAck(edge_id=self.edge_id, session_id=session.key)
+        )
+        log.info(
+            "edge: node %s v%s joined with targets %s",
+            hello.node_id,
+            hello.version,
+            ", ".join(t.name for t in hello.targets),
+        )
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_for_node(
+        self,
+        node_id: str | None = None,
+        *,
+        target: str = "",
+        other_than: NodeHandle | None = None,
+    ) -> NodeHandle:
+        """Wait until a node (that one, or any serving ``target``, or any) is connected.
+
+        ``other_than`` skips that handle: pass the old one to wait for a reconnection.
+        """
+        while True:
+            for handle in self.nodes.values():
+                if (
+                    (node_id is None or handle.node_id == node_id)
+                    and (not target or target in handle.targets)
+                    and handle is not other_than
+                ):
+                    await trio.lowlevel.checkpoint()
+                    return handle
+            await self._changed.wait()
+
+    def node(self, node_id: str) -> NodeHandle:
+        try:
+            return self.nodes[node_id]
+        except KeyError:
+            raise NoNode(f"node {node_id!r} is not connected") from None
+
+    def route(self, target: str) -> NodeHandle:
+        """The connected node for ``target`` with the fewest runs in flight through the edge."""
+        serving = [h for h in self.nodes.values() if target in h.targets]
+        if not serving:
+            known = sorted({t for h in self.nodes.values() for t in h.targets})
+            raise NoNode(f"no connected node serves {target!r} (served: {', '.join(known)})")
+        return min(serving, key=lambda h: h.in_flight)
+
+    def _remember(self, run_id: str, node_id: str) -> None:
+        self._run_owner[run_id] = node_id
+        self._run_owner.move_to_end(run_id)
+        while len(self._run_owner) > RUN_OWNERS_KEPT:
+            self._run_owner.popitem(last=False)
+
+    async def owner_of(self, run_id: str) -> NodeHandle:
+        """The node that has ``run_id``: remembered, else asked of every node."""
+        node_id = self._run_owner.get(run_id)
+        if node_id is not None and node_id in self.nodes:
+            await trio.lowlevel.checkpoint()
+            return self.nodes[node_id]
+        for handle in list(self.nodes.values()):
+            try:
+                await handle.get_run(run_id)
+            except (RemoteError, SessionClosed):
+                continue
+            self._remember(run_id, handle.node_id)
+            return handle
+        raise NoNode(f"no connected node knows run {run_id!r}")
+
+    # --- the Python API ------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def run(self, spec: RunSpec) -> AsyncIterator[RunStream]:
+        """Route ``spec`` to a node and stream its events (raises NoNode)."""
+        handle = self.route(spec.target)
+        handle.in_flight += 1
+        try:
+            async with handle.run(spec) as stream:
+                self._remember(stream.run_id, handle.node_id)
+                yield stream
+        finally:
+            handle.in_flight -= 1
+
+    async def cancel(self, run_id: str, reason: str = "") -> pb.CancelResult:
+        return await (await self.owner_of(run_id)).cancel(run_id, reason)
+
+    async def get_run(
+        self, run_id: str, *, include_events: bool = False, after_seq: int = 0
+    ) -> pb.RunInfo:
+        handle = await self.owner_of(run_id)
+        return await handle.get_run(run_id, include_events=include_events, after_seq=after_seq)
+
+    # --- clients -------------------------------------------------------------------------
+
+    async def _on_client(self, ws: WebSocketConnection) -> None:
+        session = ProtoSession(
+            ws, Role.RUNNER, handler=self._on_client_request, settings=self.settings, name="client"
+        )
+        await session.run()
+
+    async def _on_client_request(self, session: ProtoSession, request: Request) -> None:
+        try:
+            if request.kind == "run_request":
+                await self._relay_run(session, request)
+            elif request.kind in ("cancel_run", "get_run"):
+                run_id = request.message.run_id  # type: ignore[attr-defined]
+                handle = await self.owner_of(run_id)
+                async with handle.session.stream(request.kind, request.message) as replies:
+                    async for reply in replies:
+                        await session.reply(request.nonce, _kind_of(reply), reply)
+            elif request.kind == "list_runs":
+                await self._relay_list(session, request)
+            else:
+                await session.error(
+                    request.nonce,
+                    pb.ERROR_CODE_UNEXPECTED,
+                    f"{request.kind!r} goes to a node; the edge does not take it from clients",
+                )
+        except NoNode as exc:
+            code = (
+                pb.ERROR_CODE_UNKNOWN_TARGET
+                if request.kind == "run_request"
+                else pb.ERROR_CODE_UNKNOWN_RUN
+            )
+            await session.error(request.nonce, code, str(exc))
+        except RemoteError as exc:
+            await session.error(request.nonce, exc.code, exc.message)
+        except SessionClosed as exc:
+            if not session.closed:
+                await session.error(request.nonce, pb.ERROR_CODE_UNAVAILABLE, f"node lost: {exc}")
+
+    async def _relay_run(self, session: ProtoSession, request: Request) -> None:
+        message = request.message
+        assert isinstance(message, pb.RunRequest)
+        handle = self.route(message.target)
+        handle.in_flight += 1
+        run_id = ""
+        finished = False
+        try:
+            async with handle.session.stream("run_request", message) as replies:
+                async for reply in replies:
+                    if isinstance(reply, pb.RunAccepted):
+                        run_id = reply.run_id
+                        self._remember(run_id, handle.node_id)
+                    await session.reply(request.nonce, _kind_of(reply), reply)
+                finished = True
+        finally:
+            handle.in_flight -= 1
+            if run_id and not finished and not message.background:
+                # the client went away (or the relay broke): its foreground run goes too
+                with trio.move_on_after(5, shield=True), suppress(RemoteError, SessionClosed):
+                    await handle.cancel(run_id, "client_lost")
+
+    async def _relay_list(self, session: ProtoSession, request: Request) -> None:
+        message = request.message
+        assert isinstance(message, pb.ListRuns)
+        runs: list[pb.RunSummary] = []
+        for handle in list(self.nodes.values()):
+            try:
+                reply = await handle.session.request("list_runs", message)
+            except (RemoteError, SessionClosed):
+                continue
+            assert isinstance(reply, pb.RunList)
+            runs.extend(reply.runs)
+        runs.sort(key=lambda r: r.created, reverse=True)
+        limit = message.limit or 100
+        await session.reply(request.nonce, "run_list", pb.RunList(runs=runs[:limit]))
+
+
+def _kind_of(message: object) -> str:
+    """The Envelope field name for a reply message."""
+    return {
+        pb.RunAccepted: "run_accepted",
+        pb.RunEvent: "run_event",
+        pb.CancelResult: "cancel_result",
+        pb.RunInfo: "run_info",
+        pb.RunList: "run_list",
+        pb.Limits: "limits",
+    }[type(message)]

@@ -1,0 +1,287 @@
+"""The proto-socket state machine, sans I/O.
+
+:class:`ProtoConnection` turns outgoing calls into frame bytes and incoming
+frame bytes into :class:`Request` / :class:`Reply` / :class:`StaleReply`
+objects, keeping the table of requests still waiting for an answer. It never
+touches a socket; the Trio shell (``iop_trio.transport``) moves the bytes.
+
+Exchanges:
+
+- one request, one reply (``cancel_run`` -> ``cancel_result``, ...);
+- streams: ``run_request`` -> ``run_accepted`` then ``run_event`` frames up
+  to the terminal event; ``get_run`` with ``follow`` -> ``run_info`` then,
+  if the run had not ended, ``run_event`` frames up to the terminal one.
+- an ``error`` reply ends any exchange.
+
+A frame that cannot be decoded, has no body, carries a body this side does
+not serve, or answers a request with the wrong body raises
+:class:`ProtocolError`; the connection stays usable and the shell answers
+with :meth:`ProtoConnection.error`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+import attrs
+from google.protobuf.message import DecodeError, Message
+
+from .._gen.iop import runtime_pb2 as pb
+
+MAX_NONCE = 2**64 - 1
+
+# which bodies each side serves as requests
+RUNNER_REQUESTS = frozenset(
+    {"run_request", "cancel_run", "get_run", "list_runs", "set_limits", "ping"}
+)
+EDGE_REQUESTS = frozenset({"hello", "ping"})
+
+# request body -> the body of its (first) answer; "error" answers anything
+ANSWERS: Mapping[str, str] = {
+    "hello": "hello_ack",
+    "run_request": "run_accepted",
+    "cancel_run": "cancel_result",
+    "get_run": "run_info",
+    "list_runs": "run_list",
+    "set_limits": "limits",
+    "ping": "pong",
+}
+
+_TERMINAL_EVENT_KINDS = frozenset(
+    {
+        pb.EVENT_KIND_SUCCEEDED,
+        pb.EVENT_KIND_FAILED,
+        pb.EVENT_KIND_CANCELLED,
+        pb.EVENT_KIND_REJECTED,
+        pb.EVENT_KIND_INTERRUPTED,
+    }
+)
+_TERMINAL_STATUSES = frozenset(
+    {
+        pb.RUN_STATUS_SUCCEEDED,
+        pb.RUN_STATUS_FAILED,
+        pb.RUN_STATUS_CANCELLED,
+        pb.RUN_STATUS_REJECTED,
+        pb.RUN_STATUS_INTERRUPTED,
+    }
+)
+
+
+class Role(enum.Enum):
+    """What a side serves: RUNNER takes run requests (a node, or the edge's client
+    endpoint); EDGE takes Hello from nodes; CLIENT (a CLI on an edge) only pings."""
+
+    RUNNER = "runner"
+    EDGE = "edge"
+    CLIENT = "client"
+
+    @property
+    def serves(self) -> frozenset[str]:
+        return _SERVES[self]
+
+
+_SERVES = {
+    Role.RUNNER: RUNNER_REQUESTS,
+    Role.EDGE: EDGE_REQUESTS,
+    Role.CLIENT: frozenset({"ping"}),
+}
+
+
+class ProtocolError(Exception):
+    """A frame broke the protocol.
+
+    ``reply_to`` is the peer's offending nonce to answer (0 if none);
+    ``broken`` is the nonce of our own request whose exchange it ended (0 if
+    none): that request is no longer pending and its waiter should be failed.
+    """
+
+    def __init__(self, code: int, message: str, *, reply_to: int = 0, broken: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.reply_to = reply_to
+        self.broken = broken
+
+    def __repr__(self) -> str:
+        name = pb.ErrorCode.Name(self.code)
+        return f"ProtocolError({name}, {self.message!r}, reply_to={self.reply_to})"
+
+
+@attrs.frozen
+class Request:
+    """A request from the peer that this side serves; answer it with ``reply_to=nonce``."""
+
+    nonce: int
+    kind: str
+    message: Message
+
+
+@attrs.frozen
+class Reply:
+    """An answer to one of our requests. ``final`` = the exchange is over."""
+
+    reply_to: int
+    kind: str
+    message: Message
+    final: bool
+
+
+@attrs.frozen
+class PeerError:
+    """An Error the peer sent about no request of ours (e.g. a frame it could not parse).
+
+    Never answer it: two sides answering each other's errors would loop.
+    """
+
+    code: int
+    message: str
+
+
+@attrs.frozen
+class StaleReply:
+    """An answer to a request nobody waits for any more (given up, or already over)."""
+
+    reply_to: int
+    kind: str
+
+
+Incoming = Request | Reply | StaleReply | PeerError
+
+
+@attrs.define
+class _Pending:
+    kind: str
+    stream: bool
+    answered: bool = False
+
+
+def encode(envelope: pb.Envelope) -> bytes:
+    return envelope.SerializeToString()
+
+
+def decode(data: bytes | bytearray | str) -> pb.Envelope:
+    """Parse one frame; ProtocolError(MALFORMED) if it is text, undecodable or has no body."""
+    if isinstance(data, str):
+        raise ProtocolError(pb.ERROR_CODE_MALFORMED, "text frame: envelopes travel as binary")
+    envelope = pb.Envelope()
+    try:
+        envelope.ParseFromString(bytes(data))
+    except DecodeError as exc:
+        raise ProtocolError(pb.ERROR_CODE_MALFORMED, f"undecodable envelope: {exc}") from None
+    if envelope.WhichOneof("body") is None:
+        raise ProtocolError(
+            pb.ERROR_CODE_MALFORMED,
+            "envelope without a known body",
+            reply_to=envelope.nonce,
+        )
+    return envelope
+
+
+class ProtoConnection:
+    """One side of a proto-socket; see the module docstring."""
+
+    def __init__(self, role: Role) -> None:
+        self.role = role
+        self._next_nonce = 1
+        self._pending: dict[int, _Pending] = {}
+
+    def __repr__(self) -> str:
+        return f"<ProtoConnection {self.role.value} pending={len(self._pending)}>"
+
+    @property
+    def pending(self) -> int:
+        """Requests sent and not yet finally answered."""
+        return len(self._pending)
+
+    # --- sending -------------------------------------------------------------------------
+
+    def _allocate_nonce(self) -> int:
+        while True:
+            nonce = self._next_nonce
+            self._next_nonce = nonce + 1 if nonce < MAX_NONCE else 1
+            if nonce not in self._pending:
+                return nonce
+
+    def request(self, kind: str, message: Message) -> tuple[int, bytes]:
+        """A new request; returns its nonce and the frame.
+
+        ``run_request`` and ``get_run`` with ``follow`` open a stream of
+        replies; every other request expects one reply.
+        """
+        if kind not in ANSWERS:
+            raise ValueError(f"{kind!r} is not a request")
+        nonce = self._allocate_nonce()
+        envelope = pb.Envelope(nonce=nonce)
+        getattr(envelope, kind).CopyFrom(message)
+        stream = kind == "run_request" or (
+            kind == "get_run" and isinstance(message, pb.GetRun) and message.follow
+        )
+        frame = encode(envelope)
+        self._pending[nonce] = _Pending(kind, stream)
+        return nonce, frame
+
+    def forget(self, nonce: int) -> None:
+        """Stop waiting for answers to ``nonce`` (later ones become StaleReply)."""
+        self._pending.pop(nonce, None)
+
+    def forget_all(self) -> list[int]:
+        """Drop every pending request (the connection is gone); returns their nonces."""
+        nonces = list(self._pending)
+        self._pending.clear()
+        return nonces
+
+    def reply(self, reply_to: int, kind: str, message: Message) -> bytes:
+        """A frame answering the peer's request ``reply_to``."""
+        envelope = pb.Envelope(reply_to=reply_to)
+        getattr(envelope, kind).CopyFrom(message)
+        return encode(envelope)
+
+    def error(self, reply_to: int, code: int, message: str) -> bytes:
+        return self.reply(reply_to, "error", pb.Error(code=code, message=message))  # type: ignore[arg-type]
+
+    # --- receiving -----------------------------------------------------------------------
+
+    def receive(self, data: bytes | bytearray | str) -> Incoming:
+        """Classify one incoming frame; raises ProtocolError for a bad one."""
+        envelope = decode(data)
+        kind = envelope.WhichOneof("body")
+        assert kind is not None
+        message: Message = getattr(envelope, kind)
+        if envelope.reply_to == 0 and isinstance(message, pb.Error):
+            return PeerError(message.code, message.message)
+        if envelope.reply_to == 0:
+            if kind not in self.role.serves:
+                raise ProtocolError(
+                    pb.ERROR_CODE_UNEXPECTED,
+                    f"{kind!r} is not a request this {self.role.value} serves",
+                    reply_to=envelope.nonce,
+                )
+            if envelope.nonce == 0:
+                raise ProtocolError(pb.ERROR_CODE_MALFORMED, f"{kind!r} request without a nonce")
+            return Request(envelope.nonce, kind, message)
+        return self._answer(envelope.reply_to, kind, message)
+
+    def _answer(self, reply_to: int, kind: str, message: Message) -> Reply | StaleReply:
+        pending = self._pending.get(reply_to)
+        if pending is None:
+            return StaleReply(reply_to, kind)
+        if kind == "error":
+            final = True
+        elif not pending.answered and kind == ANSWERS[pending.kind]:
+            pending.answered = True
+            final = not pending.stream or (
+                isinstance(message, pb.RunInfo) and message.run.status in _TERMINAL_STATUSES
+            )
+        elif pending.answered and pending.stream and isinstance(message, pb.RunEvent):
+            final = message.kind in _TERMINAL_EVENT_KINDS
+        else:
+            self._pending.pop(reply_to)
+            raise ProtocolError(
+                pb.ERROR_CODE_UNEXPECTED,
+                f"{kind!r} does not answer a {pending.kind!r} request here",
+                broken=reply_to,
+            )
+        if final:
+            del self._pending[reply_to]
+        return Reply(reply_to, kind, message, final)

@@ -1,0 +1,229 @@
+"""Conversions between runtime values and protobuf messages.
+
+The runtime never sees protobuf; sessions convert at the edge of the wire.
+:func:`spec_from_request` is where a RunRequest from the network is checked.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from google.protobuf import json_format, struct_pb2
+
+from .._gen.iop import runtime_pb2 as pb
+from ..runtime.lifecycle import EventKind, RunEvent, RunRecord, RunStatus, Usage
+from ..runtime.manager import InvalidRequest, RunSpec
+from ..runtime.node import Limits, NodeInfo
+
+MAX_PROMPT_CHARS = 4 * 1024 * 1024
+MAX_MESSAGES = 4096
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+_STATUS_TO_PB: Mapping[RunStatus, int] = {
+    RunStatus.QUEUED: pb.RUN_STATUS_QUEUED,
+    RunStatus.RUNNING: pb.RUN_STATUS_RUNNING,
+    RunStatus.SUCCEEDED: pb.RUN_STATUS_SUCCEEDED,
+    RunStatus.FAILED: pb.RUN_STATUS_FAILED,
+    RunStatus.CANCELLED: pb.RUN_STATUS_CANCELLED,
+    RunStatus.REJECTED: pb.RUN_STATUS_REJECTED,
+    RunStatus.INTERRUPTED: pb.RUN_STATUS_INTERRUPTED,
+}
+_STATUS_FROM_PB = {v: k for k, v in _STATUS_TO_PB.items()}
+_KIND_TO_PB: Mapping[EventKind, int] = {
+    EventKind.QUEUED: pb.EVENT_KIND_QUEUED,
+    EventKind.STARTED: pb.EVENT_KIND_STARTED,
+    EventKind.DELTA: pb.EVENT_KIND_DELTA,
+    EventKind.SUCCEEDED: pb.EVENT_KIND_SUCCEEDED,
+    EventKind.FAILED: pb.EVENT_KIND_FAILED,
+    EventKind.CANCELLED: pb.EVENT_KIND_CANCELLED,
+    EventKind.REJECTED: pb.EVENT_KIND_REJECTED,
+    EventKind.INTERRUPTED: pb.EVENT_KIND_INTERRUPTED,
+}
+_KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
+
+
+def status_to_pb(status: RunStatus) -> pb.RunStatus:
+    return _STATUS_TO_PB[status]  # type: ignore[return-value]
+
+
+def status_from_pb(value: int) -> RunStatus:
+    """ValueError for UNSPECIFIED or an unknown number."""
+    try:
+        return _STATUS_FROM_PB[value]
+    except KeyError:
+        raise ValueError(f"unknown run status {value}") from None
+
+
+def kind_from_pb(value: int) -> EventKind:
+    try:
+        return _KIND_FROM_PB[value]
+    except KeyError:
+        raise ValueError(f"unknown event kind {value}") from None
+
+
+def struct_from_dict(values: Mapping[str, Any]) -> struct_pb2.Struct:
+    struct = struct_pb2.Struct()
+    struct.update(dict(values))
+    return struct
+
+
+def dict_from_struct(struct: struct_pb2.Struct) -> dict[str, Any]:
+    """A plain dict; whole numbers come back as int (Struct only has doubles)."""
+
+    def tidy(value: Any) -> Any:
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+            return int(value)
+        if isinstance(value, dict):
+            return {k: tidy(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [tidy(v) for v in value]
+        return value
+
+    result = tidy(json_format.MessageToDict(struct))
+    assert isinstance(result, dict)
+    return result
+
+
+def event_to_pb(event: RunEvent) -> pb.RunEvent:
+    message = pb.RunEvent(
+        run_id=event.run_id,
+        seq=event.seq,
+        kind=_KIND_TO_PB[event.kind],  # type: ignore[arg-type]
+        time=event.time,
+        text=event.text,
+        reason=event.reason,
+        message=event.message,
+    )
+    if event.usage is not None:
+        message.usage.CopyFrom(usage_to_pb(event.usage))
+    return message
+
+
+def event_from_pb(message: pb.RunEvent) -> RunEvent:
+    usage = usage_from_pb(message.usage) if message.HasField("usage") else None
+    return RunEvent(
+        run_id=message.run_id,
+        seq=message.seq,
+        kind=kind_from_pb(message.kind),
+        time=message.time,
+        text=message.text,
+        reason=message.reason,
+        message=message.message,
+        usage=usage,
+    )
+
+
+def usage_to_pb(usage: Usage) -> pb.Usage:
+    return pb.Usage(
+        done_reason=usage.done_reason,
+        prompt_tokens=usage.prompt_tokens or 0,
+        completion_tokens=usage.completion_tokens or 0,
+    )
+
+
+def usage_from_pb(message: pb.Usage) -> Usage:
+    return Usage(
+        done_reason=message.done_reason,
+        prompt_tokens=message.prompt_tokens or None,
+        completion_tokens=message.completion_tokens or None,
+    )
+
+
+def summary_from_record(record: RunRecord) -> pb.RunSummary:
+    return pb.RunSummary(
+        run_id=record.run_id,
+        target=record.target,
+        status=status_to_pb(record.status),
+        reason=record.reason,
+        message=record.message,
+        background=record.background,
+        created=record.created,
+        started=record.started or 0.0,
+        finished=record.finished or 0.0,
+        last_seq=record.last_seq,
+    )
+
+
+def limits_to_pb(limits: Limits) -> pb.Limits:
+    return pb.Limits(
+        concurrency=limits.concurrency,
+        max_queued=limits.max_queued,
+        queue_timeout_s=limits.queue_timeout,
+        adapters={k: v for k, v in limits.adapters.items() if v is not None},
+        targets=dict(limits.targets),
+    )
+
+
+def hello_from_info(info: NodeInfo) -> pb.Hello:
+    hello = pb.Hello(node_id=info.node_id, version=info.version, limits=limits_to_pb(info.limits))
+    for target in info.targets:
+        hello.targets.append(
+            pb.TargetInfo(
+                name=target.name,
+                adapter=target.adapter,
+                model=target.model,
+                profile=target.profile,
+                concurrency=info.limits.targets.get(target.name, target.concurrency),
+                params=struct_from_dict(target.params),
+            )
+        )
+    for adapter in info.adapters:
+        caps = adapter.capabilities
+        entry = pb.AdapterInfo(
+            name=adapter.name,
+            kind=adapter.kind,
+            capabilities=pb.Capabilities(
+                max_concurrency=caps.max_concurrency or 0, streaming=caps.streaming, chat=caps.chat
+            ),
+        )
+        if adapter.concurrency is not None:
+            entry.concurrency = adapter.concurrency
+        hello.adapters.append(entry)
+    return hello
+
+
+def spec_from_request(request: pb.RunRequest) -> RunSpec:
+    """The RunSpec a RunRequest asks for; InvalidRequest says what is wrong with it."""
+    if not request.target:
+        raise InvalidRequest("run request without a target")
+    if len(request.prompt) > MAX_PROMPT_CHARS:
+        raise InvalidRequest(f"prompt longer than {MAX_PROMPT_CHARS} characters")
+    if len(request.messages) > MAX_MESSAGES:
+        raise InvalidRequest(f"more than {MAX_MESSAGES} chat messages")
+    messages = []
+    for i, m in enumerate(request.messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidRequest(
+                f"messages[{i}].role {m.role!r} is not one of {', '.join(sorted(CHAT_ROLES))}"
+            )
+        messages.append((m.role, m.content))
+    if not request.prompt and not messages:
+        raise InvalidRequest("run request with neither a prompt nor messages")
+    options = dict_from_struct(request.options) if request.HasField("options") else {}
+    for key, value in options.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidRequest(f"option {key!r} is not a finite number")
+    return RunSpec(
+        target=request.target,
+        prompt=request.prompt,
+        messages=tuple(messages),
+        background=request.background,
+        run_id=request.run_id or None,
+        options=options,
+    )
+
+
+def request_from_spec(spec: RunSpec) -> pb.RunRequest:
+    request = pb.RunRequest(
+        target=spec.target,
+        prompt=spec.prompt,
+        background=spec.background,
+        run_id=spec.run_id or "",
+    )
+    for role, content in spec.messages:
+        request.messages.append(pb.ChatMessage(role=role, content=content))
+    if spec.options:
+        request.options.CopyFrom(struct_from_dict(spec.options))
+    return request

@@ -1,0 +1,197 @@
+"""The node's side of the link: dial the edge, say Hello, serve, reconnect.
+
+:class:`NodeClient` keeps one session to the edge at a time. When a session
+is lost, the foreground runs it asked for are cancelled (reason
+``session_lost``); background runs go on and can be fetched from the next
+session with GetRun / ListRuns. Reconnection waits a jittered exponential
+backoff ("full jitter": uniform in [0, min(max, initial * 2**attempt)]),
+reset once a session has been up for ``stable_after`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import attrs
+import trio
+from trio_websocket import (
+    ConnectionClosed,
+    ConnectionRejected,
+    HandshakeError,
+    open_websocket_url,
+)
+
+from ..protocol import Role, pb
+from ..protocol.convert import hello_from_info
+from ..runtime.node import Node
+from .server import bearer_header
+from .service import RunnerService
+from .session import ProtoSession, RemoteError, SessionClosed, SessionSettings
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class Backoff:
+    """Jittered exponential backoff between connection attempts."""
+
+    initial: float = 0.5
+    maximum: float = 30.0
+    stable_after: float = 30.0
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        """The wait before retry number ``attempt`` (0-based)."""
+        ceiling = min(self.maximum, self.initial * 2 ** min(attempt, 64))
+        return rng.uniform(0, ceiling)
+
+
+class NodeClient:
+    """Connects ``node`` to the edge at ``url`` and keeps it connected."""
+
+    def __init__(
+        self,
+        node: Node,
+        url: str,
+        *,
+        token: str | None = None,
+        settings: SessionSettings | None = None,
+        backoff: Backoff | None = None,
+        connect_timeout: float = 10.0,
+        hello_timeout: float = 10.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.node = node
+        self.url = url
+        self.token = token
+        self.settings = settings or SessionSettings()
+        self.backoff = backoff or Backoff()
+        self.connect_timeout = connect_timeout
+        self.hello_timeout = hello_timeout
+        self._rng = rng or random.Random()
+        self.service = RunnerService(node)
+        self.session: ProtoSession | None = None
+        self.sessions = 0  # sessions that got a HelloAck
+        self.attempts = 0  # connection attempts, all told
+        self.ended_attempts = 0  # attempts that have ended (failed, or a session lost)
+        self.last_error = ""
+        self._connected = trio.Event()
+        self._attempt_ended = trio.Event()
+        self._stopping = False
+        self._scope: trio.CancelScope | None = None
+
+    def __repr__(self) -> str:
+        state = "connected" if self.session is not None else "disconnected"
+        return f"<NodeClient {self.node.node_id!r} -> {self.url} {state} sessions={self.sessions}>"
+
+    async def wait_connected(self) -> ProtoSession:
+        """Return the current session, waiting for one if there is none."""
+        while self.session is None:
+            await self._connected.wait()
+        await trio.lowlevel.checkpoint()
+        return self.session
+
+    async def wait_attempts(self, count: int) -> None:
+        """Return once ``count`` connection attempts have ended (at once if they have)."""
+        while self.ended_attempts < count:
+            await self._attempt_ended.wait()
+        await trio.lowlevel.checkpoint()
+
+    async def aclose(self, reason: str = "node stopping") -> None:
+        """Close the current session cleanly (close code 1001) and stop reconnecting.
+
+        The foreground runs of that session are cancelled like on any session
+        loss; call :meth:`RunManager.drain` first to let them finish.
+        """
+        self._stopping = True
+        session = self.session
+        if session is not None:
+            await session.aclose(1001, reason)
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def run(self) -> None:
+        """Connect, serve and reconnect until cancelled or :meth:`aclose`."""
+        with trio.CancelScope() as self._scope:
+            await self._run()
+
+    async def _run(self) -> None:
+        failures = 0
+        while not self._stopping:
+            self.attempts += 1
+            up_since: float | None = None
+            try:
+                up_since = await self._connect_once()
+            except ConnectionRejected as exc:
+                self.last_error = f"edge refused the connection: HTTP {exc.status_code}"
+                if exc.status_code == 401:
+                    self.last_error += " (check the node's edge token)"
+            except (HandshakeError, ConnectionClosed, OSError, trio.BrokenResourceError) as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:
+                # whatever one connection raises (groups included), the loop goes on
+                log.exception("node %s: connection attempt failed", self.node.node_id)
+                self.last_error = f"{type(exc).__name__}: {exc}"
+            self.ended_attempts += 1
+            self._attempt_ended.set()
+            self._attempt_ended = trio.Event()
+            if up_since is not None and trio.current_time() - up_since >= self.backoff.stable_after:
+                failures = 0
+            delay = self.backoff.delay(failures, self._rng)
+            failures += 1
+            log.warning(
+                "node %s: link to %s down (%s); retry in %.2fs",
+                self.node.node_id,
+                self.url,
+                self.last_error,
+                delay,
+            )
+            await trio.sleep(delay)
+
+    async def _connect_once(self) -> float | None:
+        """One connection; returns when it ends (the time it came up, None if it never did)."""
+        async with open_websocket_url(
+            self.url,
+            extra_headers=bearer_header(self.token),
+            max_message_size=self.settings.max_message_size,
+            connect_timeout=self.connect_timeout,
+        ) as ws:
+            session = ProtoSession(
+                ws, Role.RUNNER, handler=self.service.handle, settings=self.settings, name="edge"
+            )
+            up_since: float | None = None
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(session.run)
+                    hello = hello_from_info(self.node.describe())
+                    try:
+                        with trio.fail_after(self.hello_timeout):
+                            ack = await session.request("hello", hello)
+                    except (RemoteError, SessionClosed, trio.TooSlowError) as exc:
+                        self.last_error = f"hello failed: {exc}"
+                        nursery.cancel_scope.cancel()
+                        return None
+                    assert isinstance(ack, pb.HelloAck)
+                    up_since = trio.current_time()
+                    self.sessions += 1
+                    self.session = session
+                    self._connected.set()
+                    log.info(
+                        "node %s: connected to edge %s (session %s)",
+                        self.node.node_id,
+                        ack.edge_id,
+                        ack.session_id,
+                    )
+                    await session.ended.wait()
+                    self.last_error = session.close_reason
+            finally:
+                self.session = None
+                self._connected = trio.Event()
+                lost = self.node.manager.abandon(session.key, "session_lost")
+                if lost:
+                    log.warning(
+                        "node %s: session lost, cancelled %d foreground runs",
+                        self.node.node_id,
+                        len(lost),
+                    )
+            return up_since

@@ -1,0 +1,211 @@
+"""The calling side of run requests: what an edge uses on a node, and a CLI on an edge.
+
+:class:`RunnerClient` wraps a :class:`ProtoSession` whose peer serves run
+requests (Role.RUNNER) and offers them as Python calls. Errors from the peer
+arrive as :class:`RemoteError`; a lost session as :class:`SessionClosed`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Collection, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+from trio_websocket import open_websocket_url
+
+from ..protocol import Role, pb
+from ..protocol.convert import event_from_pb, request_from_spec, status_to_pb
+from ..runtime.lifecycle import RunEvent, RunStatus
+from ..runtime.manager import RunSpec
+from .server import bearer_header
+from .session import ProtoSession, ReplyStream, SessionClosed, SessionSettings
+
+
+class RunStream:
+    """The events of one run, from ``after`` on, ending with its terminal event.
+
+    ``run_id``/``existing`` come from RunAccepted (or RunInfo when following).
+    """
+
+    def __init__(self, replies: ReplyStream, run_id: str, *, existing: bool = False) -> None:
+        self._replies = replies
+        self.run_id = run_id
+        self.existing = existing
+        self.last: RunEvent | None = None
+
+    def __repr__(self) -> str:
+        last = self.last.kind.value if self.last else "-"
+        return f"<RunStream {self.run_id} last={last}>"
+
+    def __aiter__(self) -> RunStream:
+        return self
+
+    async def __anext__(self) -> RunEvent:
+        if self.last is not None and self.last.kind.terminal:
+            raise StopAsyncIteration
+        message = await self._replies.__anext__()
+        if not isinstance(message, pb.RunEvent):
+            raise SessionClosed(f"expected a run event, got {type(message).__name__}")
+        self.last = event_from_pb(message)
+        return self.last
+
+    async def collect(self) -> tuple[str, RunEvent]:
+        """Consume the rest: the text of the deltas and the terminal event."""
+        text = []
+        async for event in self:
+            text.append(event.text)
+        assert self.last is not None
+        return "".join(text), self.last
+
+
+class RunnerClient:
+    """Run requests over one session; many calls may be in flight at once."""
+
+    def __init__(self, session: ProtoSession) -> None:
+        self.session = session
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.session!r}>"
+
+    @asynccontextmanager
+    async def run(self, spec: RunSpec) -> AsyncIterator[RunStream]:
+        """Submit ``spec`` and stream its events; leaving the block stops listening
+        (the run itself goes on unless cancelled)."""
+        async with self.session.stream("run_request", request_from_spec(spec)) as replies:
+            accepted = await replies.first()
+            assert isinstance(accepted, pb.RunAccepted)
+            yield RunStream(replies, accepted.run_id, existing=accepted.existing)
+
+    async def submit(self, spec: RunSpec) -> str:
+        """Submit without following; returns the run id."""
+        async with self.run(spec) as stream:
+            return stream.run_id
+
+    async def cancel(self, run_id: str, reason: str = "") -> pb.CancelResult:
+        result = await self.session.request(
+            "cancel_run", pb.CancelRun(run_id=run_id, reason=reason)
+        )
+        assert isinstance(result, pb.CancelResult)
+        return result
+
+    async def get_run(
+        self, run_id: str, *, include_events: bool = False, after_seq: int = 0
+    ) -> pb.RunInfo:
+        info = await self.session.request(
+            "get_run",
+            pb.GetRun(run_id=run_id, include_events=include_events, after_seq=after_seq),
+        )
+        assert isinstance(info, pb.RunInfo)
+        return info
+
+    @asynccontextmanager
+    async def follow(self, run_id: str, *, after_seq: int = 0) -> AsyncIterator[RunStream]:
+        """Every event of ``run_id`` after ``after_seq``, to the terminal one, live or stored."""
+        request = pb.GetRun(run_id=run_id, include_events=True, after_seq=after_seq, follow=True)
+        async with self.session.stream("get_run", request) as replies:
+            info = await replies.first()
+            assert isinstance(info, pb.RunInfo)
+            yield _Followed(self, replies, info)
+
+    async def list_runs(
+        self, *, statuses: Collection[RunStatus] = (), target: str = "", limit: int = 100
+    ) -> list[pb.RunSummary]:
+        request = pb.ListRuns(
+            statuses=[status_to_pb(s) for s in statuses], target=target, limit=limit
+        )
+        reply = await self.session.request("list_runs", request)
+        assert isinstance(reply, pb.RunList)
+        return list(reply.runs)
+
+    async def set_limits(
+        self,
+        *,
+        concurrency: int | None = None,
+        max_queued: int | None = None,
+        queue_timeout: float | None = None,
+        adapters: Mapping[str, int] | None = None,
+        targets: Mapping[str, int] | None = None,
+    ) -> pb.Limits:
+        request = pb.SetLimits(adapters=adapters or {}, targets=targets or {})
+        if concurrency is not None:
+            request.concurrency = concurrency
+        if max_queued is not None:
+            request.max_queued = max_queued
+        if queue_timeout is not None:
+            request.queue_timeout_s = queue_timeout
+        reply = await self.session.request("set_limits", request)
+        assert isinstance(reply, pb.Limits)
+        return reply
+
+    async def ping(self) -> float:
+        """Round trip time in seconds."""
+        start = trio.current_time()
+        await self.session.request("ping", pb.Ping(time=start))
+        return trio.current_time() - start
+
+
+class _Followed(RunStream):
+    """A followed run: the events inlined in RunInfo (paged if need be), then the live stream."""
+
+    def __init__(self, client: RunnerClient, replies: ReplyStream, info: pb.RunInfo) -> None:
+        super().__init__(replies, info.run.run_id, existing=True)
+        self._client = client
+        self._backlog = [event_from_pb(e) for e in info.events]
+        self._more = info.more_events
+        self._ended = info.run.status in _TERMINAL_PB
+        self.info = info
+
+    async def __anext__(self) -> RunEvent:
+        if self._backlog:
+            self.last = self._backlog.pop(0)
+            return self.last
+        if self._more and self._ended and self.last is not None:
+            # an ended run's stored events come in pages (a live run's rest
+            # arrives on the stream instead)
+            page = await self._client.get_run(
+                self.run_id, include_events=True, after_seq=self.last.seq
+            )
+            self._backlog = [event_from_pb(e) for e in page.events]
+            self._more = page.more_events
+            return await self.__anext__()
+        if self._ended:
+            raise StopAsyncIteration
+        return await super().__anext__()
+
+
+_TERMINAL_PB = frozenset(status_to_pb(s) for s in RunStatus if s.terminal)
+
+
+@asynccontextmanager
+async def open_runner(
+    url: str, *, token: str | None = None, settings: SessionSettings | None = None
+) -> AsyncIterator[RunnerClient]:
+    """Connect to a peer serving run requests (an edge's ``/client`` endpoint)."""
+    settings = settings or SessionSettings()
+    async with open_websocket_url(
+        url, extra_headers=bearer_header(token), max_message_size=settings.max_message_size
+    ) as ws:
+        session = ProtoSession(ws, Role.CLIENT, settings=settings, name=url)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(session.run)
+            try:
+                yield RunnerClient(session)
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+def options_from_pairs(pairs: Collection[str]) -> dict[str, Any]:
+    """``["temperature=0.2", "stop=[\\"x\\"]"]`` -> dict; values parse as JSON, else stay text."""
+    import json
+
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"option {pair!r} is not key=value")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options

@@ -1,0 +1,140 @@
+"""The node side of the proto-socket: answers an edge's requests from a :class:`Node`."""
+
+from __future__ import annotations
+
+import logging
+
+from ..protocol import Request, pb
+from ..protocol.convert import (
+    event_to_pb,
+    limits_to_pb,
+    spec_from_request,
+    status_from_pb,
+    status_to_pb,
+    summary_from_record,
+)
+from ..runtime.gate import UnknownTarget
+from ..runtime.manager import InvalidRequest, NodeUnavailable, UnknownRun
+from ..runtime.node import Node
+from .session import ProtoSession
+
+log = logging.getLogger(__name__)
+
+MAX_EVENTS_PER_INFO = 1000
+MAX_LIST = 1000
+
+
+class RunnerService:
+    """Serves run requests for one node; one instance serves every session of it.
+
+    Foreground runs belong to the session that asked (its ``key``), so the
+    client can abandon them when the session is lost.
+    """
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def __repr__(self) -> str:
+        return f"<RunnerService {self.node.node_id!r}>"
+
+    async def handle(self, session: ProtoSession, request: Request) -> None:
+        handler = getattr(self, f"_on_{request.kind}", None)
+        if handler is None:
+            await session.error(
+                request.nonce, pb.ERROR_CODE_UNEXPECTED, f"{request.kind!r} is not served here"
+            )
+            return
+        try:
+            await handler(session, request.nonce, request.message)
+        except UnknownTarget as exc:
+            await session.error(request.nonce, pb.ERROR_CODE_UNKNOWN_TARGET, str(exc))
+        except UnknownRun as exc:
+            await session.error(request.nonce, pb.ERROR_CODE_UNKNOWN_RUN, str(exc))
+        except KeyError as exc:  # set_limits naming what the node does not have
+            text = str(exc.args[0]) if exc.args else "unknown name"
+            await session.error(request.nonce, pb.ERROR_CODE_INVALID, text)
+        except (InvalidRequest, ValueError) as exc:
+            await session.error(request.nonce, pb.ERROR_CODE_INVALID, str(exc))
+        except NodeUnavailable as exc:
+            await session.error(request.nonce, pb.ERROR_CODE_UNAVAILABLE, str(exc))
+
+    async def _on_run_request(
+        self, session: ProtoSession, nonce: int, message: pb.RunRequest
+    ) -> None:
+        spec = spec_from_request(message)
+        submitted = await self.node.manager.submit(spec, owner=session.key)
+        record = submitted.record
+        await session.reply(
+            nonce,
+            "run_accepted",
+            pb.RunAccepted(
+                run_id=record.run_id,
+                status=status_to_pb(record.status),
+                existing=submitted.existing,
+            ),
+        )
+        await self._stream(session, nonce, record.run_id, after_seq=0)
+
+    async def _stream(self, session: ProtoSession, nonce: int, run_id: str, after_seq: int) -> None:
+        async for event in self.node.manager.watch(run_id, after_seq=after_seq):
+            await session.reply(nonce, "run_event", event_to_pb(event))
+
+    async def _on_cancel_run(
+        self, session: ProtoSession, nonce: int, message: pb.CancelRun
+    ) -> None:
+        outcome = await self.node.manager.cancel(message.run_id, message.reason or "cancelled")
+        await session.reply(
+            nonce,
+            "cancel_result",
+            pb.CancelResult(
+                run_id=outcome.run_id,
+                status=status_to_pb(outcome.status),
+                cancelled=outcome.cancelled,
+            ),
+        )
+
+    async def _on_get_run(self, session: ProtoSession, nonce: int, message: pb.GetRun) -> None:
+        manager = self.node.manager
+        record = await manager.get(message.run_id)
+        if record is None:
+            raise UnknownRun(message.run_id)
+        info = pb.RunInfo(run=summary_from_record(record))
+        after = message.after_seq
+        if message.include_events:
+            # bounded by count and bytes, so the reply always fits in a frame
+            budget = session.settings.max_message_size // 2
+            events = await manager.events(message.run_id, after_seq=after)
+            for event in events[:MAX_EVENTS_PER_INFO]:
+                converted = event_to_pb(event)
+                budget -= converted.ByteSize() + 8
+                if budget < 0 and info.events:
+                    break
+                info.events.append(converted)
+            info.more_events = len(info.events) < len(events)
+            if info.events:
+                after = info.events[-1].seq
+        await session.reply(nonce, "run_info", info)
+        if message.follow and not record.status.terminal:
+            await self._stream(session, nonce, message.run_id, after_seq=after)
+
+    async def _on_list_runs(self, session: ProtoSession, nonce: int, message: pb.ListRuns) -> None:
+        statuses = [status_from_pb(s) for s in message.statuses]
+        limit = min(message.limit or 100, MAX_LIST)
+        records = await self.node.manager.list_runs(
+            statuses=statuses, target=message.target, limit=limit
+        )
+        await session.reply(
+            nonce, "run_list", pb.RunList(runs=[summary_from_record(r) for r in records])
+        )
+
+    async def _on_set_limits(
+        self, session: ProtoSession, nonce: int, message: pb.SetLimits
+    ) -> None:
+        limits = self.node.set_limits(
+            concurrency=message.concurrency if message.HasField("concurrency") else None,
+            max_queued=message.max_queued if message.HasField("max_queued") else None,
+            queue_timeout=message.queue_timeout_s if message.HasField("queue_timeout_s") else None,
+            adapters=dict(message.adapters),
+            targets=dict(message.targets),
+        )
+        await session.reply(nonce, "limits", limits_to_pb(limits))

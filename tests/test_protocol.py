@@ -1,0 +1,209 @@
+"""The sans-IO protocol core, without sockets."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from iop_trio.protocol import (
+    PeerError,
+    ProtocolError,
+    ProtoConnection,
+    Reply,
+    Request,
+    Role,
+    StaleReply,
+    decode,
+    pb,
+)
+from iop_trio.protocol.convert import (
+    dict_from_struct,
+    event_from_pb,
+    event_to_pb,
+    request_from_spec,
+    spec_from_request,
+)
+from iop_trio.runtime import EventKind, InvalidRequest, RunEvent, RunSpec, Usage
+
+
+def envelope(**fields: object) -> bytes:
+    return pb.Envelope(**fields).SerializeToString()  # type: ignore[arg-type]
+
+
+def pair() -> tuple[ProtoConnection, ProtoConnection]:
+    return ProtoConnection(Role.EDGE), ProtoConnection(Role.RUNNER)
+
+
+def test_nonces_are_unique_and_nonzero():
+    edge, _ = pair()
+    nonces = [edge.request("ping", pb.Ping())[0] for _ in range(100)]
+    assert len(set(nonces)) == 100
+    assert 0 not in nonces
+    assert edge.pending == 100
+
+
+def test_nonce_wraps_and_skips_pending():
+    edge, _ = pair()
+    edge._next_nonce = 2**64 - 1
+    first, _ = edge.request("ping", pb.Ping())
+    second, _ = edge.request("ping", pb.Ping())
+    assert (first, second) == (2**64 - 1, 1)
+    edge._next_nonce = 2**64 - 1  # that one is still pending: skipped
+    assert edge.request("ping", pb.Ping())[0] == 2
+
+
+def test_request_reply_round_trip():
+    edge, node = pair()
+    nonce, frame = edge.request("cancel_run", pb.CancelRun(run_id="r1"))
+    incoming = node.receive(frame)
+    assert incoming == Request(nonce, "cancel_run", pb.CancelRun(run_id="r1"))
+    answer = node.reply(nonce, "cancel_result", pb.CancelResult(run_id="r1", cancelled=True))
+    reply = edge.receive(answer)
+    assert isinstance(reply, Reply)
+    assert (reply.reply_to, reply.kind, reply.final) == (nonce, "cancel_result", True)
+    assert edge.pending == 0
+
+
+def test_many_calls_in_flight_are_matched_by_nonce():
+    edge, node = pair()
+    sent = [edge.request("get_run", pb.GetRun(run_id=f"r{i}")) for i in range(5)]
+    # answered in reverse order
+    for nonce, frame in reversed(sent):
+        request = node.receive(frame)
+        assert isinstance(request, Request)
+        info = pb.RunInfo(run=pb.RunSummary(run_id=request.message.run_id))  # type: ignore[attr-defined]
+        reply = edge.receive(node.reply(nonce, "run_info", info))
+        assert isinstance(reply, Reply)
+        assert reply.message.run.run_id == f"r{sent.index((nonce, frame))}"  # type: ignore[attr-defined]
+    assert edge.pending == 0
+
+
+def test_run_request_streams_until_the_terminal_event():
+    edge, node = pair()
+    nonce, frame = edge.request("run_request", pb.RunRequest(target="t", prompt="p"))
+    node.receive(frame)
+    accepted = edge.receive(node.reply(nonce, "run_accepted", pb.RunAccepted(run_id="r")))
+    assert isinstance(accepted, Reply) and not accepted.final
+    delta = pb.RunEvent(run_id="r", seq=3, kind=pb.EVENT_KIND_DELTA, text="x")
+    assert edge.receive(node.reply(nonce, "run_event", delta)).final is False  # type: ignore[union-attr]
+    done = pb.RunEvent(run_id="r", seq=4, kind=pb.EVENT_KIND_SUCCEEDED)
+    assert edge.receive(node.reply(nonce, "run_event", done)).final is True  # type: ignore[union-attr]
+    # anything after the end is stale, not an error
+    late = edge.receive(node.reply(nonce, "run_event", delta))
+    assert late == StaleReply(nonce, "run_event")
+
+
+def test_follow_of_an_ended_run_is_one_reply():
+    edge, node = pair()
+    nonce, _ = edge.request("get_run", pb.GetRun(run_id="r", follow=True))
+    info = pb.RunInfo(run=pb.RunSummary(run_id="r", status=pb.RUN_STATUS_SUCCEEDED))
+    assert edge.receive(node.reply(nonce, "run_info", info)).final is True  # type: ignore[union-attr]
+    nonce, _ = edge.request("get_run", pb.GetRun(run_id="r", follow=True))
+    info.run.status = pb.RUN_STATUS_RUNNING
+    assert edge.receive(node.reply(nonce, "run_info", info)).final is False  # type: ignore[union-attr]
+
+
+def test_an_error_ends_any_exchange():
+    edge, node = pair()
+    nonce, _ = edge.request("run_request", pb.RunRequest(target="t", prompt="p"))
+    reply = edge.receive(node.error(nonce, pb.ERROR_CODE_UNKNOWN_TARGET, "no such target"))
+    assert isinstance(reply, Reply)
+    assert (reply.kind, reply.final) == ("error", True)
+    assert edge.pending == 0
+
+
+def test_a_wrong_answer_breaks_only_that_exchange():
+    edge, node = pair()
+    nonce, _ = edge.request("cancel_run", pb.CancelRun(run_id="r"))
+    other, _ = edge.request("ping", pb.Ping())
+    with pytest.raises(ProtocolError) as caught:
+        edge.receive(node.reply(nonce, "run_list", pb.RunList()))
+    assert (caught.value.code, caught.value.broken) == (pb.ERROR_CODE_UNEXPECTED, nonce)
+    assert edge.pending == 1  # the ping still waits
+    assert edge.receive(node.reply(other, "pong", pb.Pong())).final is True  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("frame", "code", "text"),
+    [
+        (b"\xff\xff\xff", pb.ERROR_CODE_MALFORMED, "undecodable"),
+        (b"", pb.ERROR_CODE_MALFORMED, "without a known body"),
+        ("text", pb.ERROR_CODE_MALFORMED, "text frame"),
+        (envelope(nonce=7, hello=pb.Hello(node_id="x")), pb.ERROR_CODE_UNEXPECTED, "not a request"),
+        (envelope(ping=pb.Ping()), pb.ERROR_CODE_MALFORMED, "without a nonce"),
+    ],
+)
+def test_bad_frames_raise_protocol_errors(frame, code, text):
+    node = ProtoConnection(Role.RUNNER)
+    with pytest.raises(ProtocolError, match=text) as caught:
+        node.receive(frame)
+    assert caught.value.code == code
+
+
+def test_an_unattributed_error_is_reported_not_answered():
+    edge, node = pair()
+    garbage_error = node.error(0, pb.ERROR_CODE_MALFORMED, "undecodable envelope")
+    incoming = edge.receive(garbage_error)
+    assert incoming == PeerError(pb.ERROR_CODE_MALFORMED, "undecodable envelope")
+
+
+def test_the_offending_nonce_is_answered():
+    node = ProtoConnection(Role.RUNNER)
+    with pytest.raises(ProtocolError) as caught:
+        node.receive(envelope(nonce=42, hello=pb.Hello()))
+    assert caught.value.reply_to == 42
+    error = decode(node.error(42, caught.value.code, caught.value.message))
+    assert (error.reply_to, error.WhichOneof("body")) == (42, "error")
+
+
+@settings(max_examples=500)
+@given(st.binary(max_size=256))
+def test_any_bytes_either_parse_or_raise_protocol_error(data):
+    for role in Role:
+        conn = ProtoConnection(role)
+        with contextlib.suppress(ProtocolError):
+            conn.receive(data)
+
+
+def test_run_event_conversion_round_trips():
+    event = RunEvent("r", 9, EventKind.SUCCEEDED, 12.5, reason="", usage=Usage("stop", 3, 7))
+    assert event_from_pb(event_to_pb(event)) == event
+    delta = RunEvent("r", 4, EventKind.DELTA, 1.0, text="héllo")
+    assert event_from_pb(event_to_pb(delta)) == delta
+
+
+def test_run_spec_round_trips_through_the_wire():
+    spec = RunSpec(
+        "echo/m",
+        "",
+        messages=(("system", "be brief"), ("user", "hi")),
+        background=True,
+        run_id="job-1",
+        options={"temperature": 0.5, "num_predict": 10, "stop": ["\n"], "nested": {"a": True}},
+    )
+    assert spec_from_request(request_from_spec(spec)) == spec
+
+
+@pytest.mark.parametrize(
+    ("request_", "text"),
+    [
+        (pb.RunRequest(prompt="p"), "without a target"),
+        (pb.RunRequest(target="t"), "neither a prompt nor messages"),
+        (
+            pb.RunRequest(target="t", messages=[pb.ChatMessage(role="wizard", content="x")]),
+            "messages\\[0\\].role 'wizard'",
+        ),
+    ],
+)
+def test_bad_run_requests_say_what_is_wrong(request_, text):
+    with pytest.raises(InvalidRequest, match=text):
+        spec_from_request(request_)
+
+
+def test_struct_numbers_come_back_as_ints_where_whole():
+    from iop_trio.protocol.convert import struct_from_dict
+
+    assert dict_from_struct(struct_from_dict({"n": 3, "x": 0.25})) == {"n": 3, "x": 0.25}
