@@ -455,18 +455,27 @@ async def test_a_run_the_store_refuses_is_not_acknowledged():
         assert adapter.started == []
 
 
-async def test_draining_refuses_new_runs_and_cancels_stragglers(autojump_clock):
-    node, _adapter = make_node()
+async def test_draining_lets_running_runs_finish_and_cancels_the_rest(autojump_clock):
+    node, adapter = make_node()
     async with node.running():
-        run = await submit(node)
+        quick = await submit(node, A)
+        slow = await submit(node, B)
+        queued = await submit(node, A)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(node.manager.drain, 5.0)
             await trio.testing.wait_all_tasks_blocked()
             with pytest.raises(NodeUnavailable):
                 await node.manager.submit(RunSpec(A, "p"))
-        record = await node.store.get(run)
+            # the queued run is cancelled at once; the running ones may finish
+            assert await status(node, queued) is RunStatus.CANCELLED
+            await trio.sleep(1.0)
+            adapter.script(quick).finish()
+        assert trio.current_time() == pytest.approx(5.0)
+        assert await status(node, quick) is RunStatus.SUCCEEDED
+        record = await node.store.get(slow)
         assert record is not None
         assert (record.status, record.reason) == (RunStatus.CANCELLED, "node_draining")
+        assert adapter.open_streams == []
 
 
 async def test_watch_follows_a_live_run_and_replays_an_ended_one(node_and_adapter):

@@ -232,6 +232,7 @@ class RunManager:
         final_write_timeout: float = 10.0,
         new_run_id: Callable[[], str] = _new_run_id,
         wall_clock: Callable[[], float] = time.time,
+        listeners: list[Callable[[RunEvent, RunRecord], None]] | None = None,
     ) -> None:
         self._nursery = nursery
         self._gate = gate
@@ -245,8 +246,10 @@ class RunManager:
         self._admitting = True
         self._idle = trio.Event()
         self._idle.set()
-        # hooks for metrics: called with each event after it is stored
-        self.listeners: list[Callable[[RunEvent, RunRecord], None]] = []
+        # hooks (metrics, logs): called synchronously with each event once it is
+        # stored (or given up on) and the run's own live record, which they must
+        # not change; one that raises is logged and skipped
+        self.listeners = listeners if listeners is not None else []
 
     def __repr__(self) -> str:
         running = sum(1 for r in self._live.values() if r.state.status is RunStatus.RUNNING)
@@ -346,15 +349,20 @@ class RunManager:
 
     async def _execute(self, live: _LiveRun, adapter: Adapter, request: AdapterRequest) -> _Outcome:
         usage: Usage | None = None
+        completed = False
         try:
             async with adapter.open_stream(request) as chunks:
                 async for chunk in chunks:
-                    if isinstance(chunk, Delta):
+                    if completed:
+                        # the first Completion ends the run; the adapter may still be
+                        # reading the end of its response (so its connection is reused)
+                        log.debug("run %s: %r after the completion ignored", request.run_id, chunk)
+                    elif isinstance(chunk, Delta):
                         if chunk.text:
                             await self._emit(live, live.state.delta(chunk.text, time=self._now()))
                     else:
                         usage = chunk.usage
-                        break  # the Completion ends the run: nothing after it counts
+                        completed = True
         except AdapterError as exc:
             return _Outcome(RunStatus.FAILED, exc.reason, exc.message)
         return _Outcome(RunStatus.SUCCEEDED, usage=usage)
@@ -476,17 +484,25 @@ class RunManager:
         await trio.lowlevel.checkpoint()
 
     async def drain(self, grace: float, reason: str = "node_draining") -> int:
-        """Stop admitting, wait ``grace`` seconds for live runs, cancel the rest.
+        """Stop admitting and end every live run within about ``grace`` seconds.
 
-        Returns how many runs had to be cancelled; they end CANCELLED with
-        ``reason`` and their status recorded before this returns.
+        Runs still QUEUED are cancelled at once (they would not start in time,
+        and their caller can resubmit elsewhere); RUNNING runs get ``grace``
+        seconds to finish, then are cancelled. Cancelled runs end CANCELLED
+        with ``reason``. Returns how many runs were cancelled; every final
+        status is recorded before it returns.
         """
         self.stop_admitting()
+        cancelled = [
+            run_id
+            for run_id, live in list(self._live.items())
+            if live.state.status is RunStatus.QUEUED and self.cancel_nowait(run_id, reason)
+        ]
         with trio.move_on_after(grace):
             await self.wait_idle()
-        left = self.cancel_all(reason)
+        cancelled += self.cancel_all(reason)
         await self.wait_idle()
-        return len(left)
+        return len(cancelled)
 
     # --- reading -------------------------------------------------------------------------
 

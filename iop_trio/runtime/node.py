@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
@@ -25,6 +25,7 @@ import trio
 from .. import __version__
 from ..adapters.base import Adapter, Capabilities
 from .gate import Gate
+from .lifecycle import RunEvent, RunRecord
 from .manager import RunManager, TargetSpec
 
 if TYPE_CHECKING:  # the store package imports the lifecycle from here
@@ -134,6 +135,8 @@ class Node:
             self.targets[target.name] = target
         self._manager: RunManager | None = None
         self.started = trio.Event()
+        # called with (event, record) for every run event, by every RunManager this node starts
+        self.event_listeners: list[Callable[[RunEvent, RunRecord], None]] = []
 
     def __repr__(self) -> str:
         state = "running" if self._manager is not None else "idle"
@@ -142,6 +145,20 @@ class Node:
     @property
     def adapters(self) -> Mapping[str, Adapter]:
         return self._adapters
+
+    @property
+    def is_running(self) -> bool:
+        return self._manager is not None
+
+    async def _tell_listeners(self, events: Sequence[RunEvent]) -> None:
+        for event in events:
+            record = await self.store.get(event.run_id)
+            for listener in self.event_listeners:
+                if record is not None:
+                    try:
+                        listener(event, record)
+                    except Exception:
+                        log.exception("event listener %r failed", listener)
 
     @property
     def manager(self) -> RunManager:
@@ -169,6 +186,7 @@ class Node:
                 )
                 if interrupted:
                     log.warning("marked %d unfinished runs INTERRUPTED", len(interrupted))
+                    await self._tell_listeners(interrupted)
                 self._manager = RunManager(
                     nursery=nursery,
                     gate=self.gate,
@@ -176,6 +194,7 @@ class Node:
                     adapters=self._adapters,
                     targets=self.targets,
                     final_write_timeout=self.runtime.final_write_timeout,
+                    listeners=self.event_listeners,
                 )
                 self.started.set()
                 try:

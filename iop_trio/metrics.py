@@ -1,0 +1,515 @@
+"""Prometheus metrics of a node, and the HTTP routes that expose them.
+
+::
+
+    metrics = NodeMetrics(node)
+    metrics.attach()                       # before the node runs, so no run is missed
+    async with node.running(), trio.open_nursery() as nursery:
+        await nursery.start(serve_http, metrics.routes(), "127.0.0.1", 9464)
+
+Two kinds of metric (the table of names is :data:`METRICS`):
+
+- Gauges read from the gate at scrape time (``iop_gate_*``, ``iop_node_*``):
+  queued and running runs per target, limit and borrowed tokens per level,
+  the queue's length and bound. Nothing is kept between scrapes.
+- Counters and histograms fed by the run manager's events (``iop_runs_*``,
+  ``iop_run_*``). Durations are differences of event times
+  (:attr:`RunEvent.time`, wall clock), clamped at 0 should the clock step
+  back.
+
+Queue wait (``iop_run_queue_wait_seconds``) is observed for every run that
+leaves the queue, with ``outcome`` saying how: ``started`` (QUEUED ->
+STARTED), ``rejected`` (QUEUED -> REJECTED: about 0 for ``queue_full``, about
+the queue timeout for ``queue_timeout``) or ``cancelled`` (QUEUED ->
+CANCELLED: the caller or the node gave up waiting). Counting only started
+runs would hide the waits that were too long to end well.
+
+Per-run state is kept only for live runs (QUEUED or RUNNING) and dropped at
+the terminal event; :attr:`NodeMetrics.tracked_runs` counts it. Should a
+terminal event never come (a bug elsewhere), ``max_tracked_runs`` bounds the
+state: the oldest entry is dropped, with a warning. A listener attached
+while runs are live has no state for them: their counters still count from
+then on, but their durations are not observed.
+
+Everything here runs in the Trio thread: :meth:`NodeMetrics.render` reads the
+gate without locks, so do not call it from another thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
+
+import attrs
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+
+from .httpserver import HttpRequest, HttpResponse, Route
+from .runtime.gate import LimiterStats
+from .runtime.lifecycle import EventKind, RejectReason, RunEvent, RunRecord, RunStatus
+
+if TYPE_CHECKING:
+    from .runtime.node import Node
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""The content type of :meth:`NodeMetrics.render`: the Prometheus text format 0.0.4.
+
+Spelled out rather than prometheus_client's ``CONTENT_TYPE_LATEST``, which
+names format 1.0.0 in recent versions (0.0.4 in older ones): every metric
+name here is a classic one, so the output is valid 0.0.4, and every
+Prometheus version reads that.
+"""
+
+# Bucket upper bounds, in seconds (+Inf is added by the client library).
+QUEUE_WAIT_BUCKETS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300,
+)  # fmt: skip
+"""Queue wait: ~0 when there is room; up to the queue timeout (30 s by default) and past it."""
+
+RUN_DURATION_BUCKETS: tuple[float, ...] = (
+    0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800,
+)  # fmt: skip
+"""Run duration: short completions (sub-second) to long generations (tens of minutes)."""
+
+FIRST_DELTA_BUCKETS: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 30, 60,
+)  # fmt: skip
+"""Time to first delta: prompt processing, fine-grained around 0.1-2 s, and model loads."""
+
+Listener = Callable[[RunEvent, RunRecord], None]
+
+_OUTCOME_OF_STATUS: Mapping[RunStatus, str] = {
+    RunStatus.RUNNING: "started",
+    RunStatus.REJECTED: "rejected",
+    RunStatus.CANCELLED: "cancelled",
+}
+_FINISHED_STATUSES = (
+    RunStatus.SUCCEEDED,
+    RunStatus.FAILED,
+    RunStatus.CANCELLED,
+    RunStatus.REJECTED,
+)
+
+
+@attrs.frozen
+class MetricInfo:
+    """One row of the metric table: name as exposed, type, labels, meaning."""
+
+    name: str
+    type: str
+    labels: tuple[str, ...]
+    help: str
+
+
+METRICS: tuple[MetricInfo, ...] = (
+    MetricInfo("iop_runs_submitted_total", "counter", ("target",), "Runs created (QUEUED)."),
+    MetricInfo(
+        "iop_runs_finished_total",
+        "counter",
+        ("target", "status"),
+        "Runs ended, by terminal status (succeeded, failed, cancelled, rejected).",
+    ),
+    MetricInfo(
+        "iop_runs_rejected_total",
+        "counter",
+        ("target", "reason"),
+        "Runs rejected by the gate, by reason (queue_full, queue_timeout).",
+    ),
+    MetricInfo(
+        "iop_run_deltas_total", "counter", ("target",), "Output deltas (stream chunks) sent."
+    ),
+    MetricInfo(
+        "iop_run_tokens_total",
+        "counter",
+        ("target", "kind"),
+        "Tokens the engine reported at a run's end (kind prompt or completion).",
+    ),
+    MetricInfo(
+        "iop_run_queue_wait_seconds",
+        "histogram",
+        ("target", "outcome"),
+        "Time from QUEUED until the run left the queue; outcome started, rejected or cancelled.",
+    ),
+    MetricInfo(
+        "iop_run_duration_seconds",
+        "histogram",
+        ("target", "status"),
+        "Time from STARTED to the terminal event (runs that started only).",
+    ),
+    MetricInfo(
+        "iop_run_time_to_first_delta_seconds",
+        "histogram",
+        ("target",),
+        "Time from STARTED to the first delta.",
+    ),
+    MetricInfo(
+        "iop_gate_queued_runs", "gauge", ("target",), "Runs waiting in the gate's queue now."
+    ),
+    MetricInfo(
+        "iop_gate_running_runs",
+        "gauge",
+        ("target",),
+        "Runs holding a permit now (the target's borrowed tokens).",
+    ),
+    MetricInfo(
+        "iop_gate_tokens_limit",
+        "gauge",
+        ("level", "name"),
+        "Concurrency limit in force per level (global/adapter/target); +Inf = unbounded.",
+    ),
+    MetricInfo(
+        "iop_gate_tokens_borrowed",
+        "gauge",
+        ("level", "name"),
+        "Tokens held now per level (global/adapter/target).",
+    ),
+    MetricInfo("iop_gate_queue_length", "gauge", (), "Runs waiting in the gate, all targets."),
+    MetricInfo(
+        "iop_gate_queue_max",
+        "gauge",
+        (),
+        "Node-wide bound on waiting runs (max_queued); more are rejected queue_full.",
+    ),
+    MetricInfo(
+        "iop_gate_queue_timeout_seconds",
+        "gauge",
+        (),
+        "Node-wide queue timeout for runs that arrive now.",
+    ),
+    MetricInfo(
+        "iop_node_admitting",
+        "gauge",
+        (),
+        "1 while the node runs and admits runs; 0 while draining or stopped.",
+    ),
+    MetricInfo(
+        "iop_node_live_runs", "gauge", (), "Runs the run manager holds (QUEUED or RUNNING)."
+    ),
+    MetricInfo(
+        "iop_node_info", "gauge", ("node_id", "version"), "Always 1; the labels describe the node."
+    ),
+)
+_HELP = {m.name: m.help for m in METRICS}
+
+
+def _help(name: str) -> str:
+    return _HELP[name]
+
+
+@attrs.define(eq=False, repr=False)
+class _RunTimes:
+    """What the metrics keep about one live run."""
+
+    target: str
+    queued: float
+    deltas: Counter  # the target's child of iop_run_deltas_total, looked up once
+    started: float | None = None
+    first_delta: bool = False
+
+
+class _GateCollector:
+    """Reads the gate (and the manager, if running) at each scrape."""
+
+    def __init__(self, node: Node) -> None:
+        self._node = node
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families().values())
+
+    def collect(self) -> Iterable[Metric]:
+        node = self._node
+        stats = node.gate.statistics()
+        g = self._families()
+        for target, count in stats.queued_by_target.items():
+            g["iop_gate_queued_runs"].add_metric([target], count)
+        for target, tokens in stats.targets.items():
+            g["iop_gate_running_runs"].add_metric([target], tokens.borrowed)
+        levels: list[tuple[str, Mapping[str, LimiterStats]]] = [
+            ("global", {"global": stats.global_}),
+            ("adapter", stats.adapters),
+            ("target", stats.targets),
+        ]
+        for level, by_name in levels:
+            for name, tokens in by_name.items():
+                g["iop_gate_tokens_limit"].add_metric([level, name], float(tokens.limit))
+                g["iop_gate_tokens_borrowed"].add_metric([level, name], tokens.borrowed)
+        g["iop_gate_queue_length"].add_metric([], stats.queued)
+        g["iop_gate_queue_max"].add_metric([], stats.max_queued)
+        g["iop_gate_queue_timeout_seconds"].add_metric([], stats.queue_timeout)
+        try:
+            manager = node.manager
+        except RuntimeError:  # not running
+            admitting, live = 0, 0
+        else:
+            admitting, live = int(manager.admitting), manager.live_count()
+        g["iop_node_admitting"].add_metric([], admitting)
+        g["iop_node_live_runs"].add_metric([], live)
+        g["iop_node_info"].add_metric([node.node_id, node.version], 1)
+        return list(g.values())
+
+    @staticmethod
+    def _families() -> dict[str, GaugeMetricFamily]:
+        return {
+            m.name: GaugeMetricFamily(m.name, m.help, labels=list(m.labels))
+            for m in METRICS
+            if m.type == "gauge"
+        }
+
+
+class _WithoutCreated:
+    """A view of a registry without the ``<name>_created`` samples."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        for metric in self._registry.collect():
+            created = f"{metric.name}_created"
+            metric.samples = [s for s in metric.samples if s.name != created]
+            yield metric
+
+
+class NodeMetrics:
+    """The Prometheus metrics of ``node``, in ``registry`` (a new, private one by default).
+
+    Call :meth:`attach` so that the run events reach it; the gauges work
+    without. Two NodeMetrics cannot share a registry (their names clash:
+    ValueError from prometheus_client).
+    """
+
+    def __init__(
+        self,
+        node: Node,
+        *,
+        registry: CollectorRegistry | None = None,
+        max_tracked_runs: int = 100_000,
+    ) -> None:
+        self.node = node
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.max_tracked_runs = max_tracked_runs
+        self._runs: dict[str, _RunTimes] = {}
+        self._listener: Listener = self.on_event
+        self._attached_to: list[list[Listener]] = []
+        r = self.registry
+        self.submitted = Counter(
+            "iop_runs_submitted", _help("iop_runs_submitted_total"), ["target"], registry=r
+        )
+        self.finished = Counter(
+            "iop_runs_finished",
+            _help("iop_runs_finished_total"),
+            ["target", "status"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "iop_runs_rejected",
+            _help("iop_runs_rejected_total"),
+            ["target", "reason"],
+            registry=r,
+        )
+        self.deltas = Counter(
+            "iop_run_deltas", _help("iop_run_deltas_total"), ["target"], registry=r
+        )
+        self.tokens = Counter(
+            "iop_run_tokens", _help("iop_run_tokens_total"), ["target", "kind"], registry=r
+        )
+        self.queue_wait = Histogram(
+            "iop_run_queue_wait_seconds",
+            _help("iop_run_queue_wait_seconds"),
+            ["target", "outcome"],
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.run_duration = Histogram(
+            "iop_run_duration_seconds",
+            _help("iop_run_duration_seconds"),
+            ["target", "status"],
+            buckets=RUN_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.first_delta = Histogram(
+            "iop_run_time_to_first_delta_seconds",
+            _help("iop_run_time_to_first_delta_seconds"),
+            ["target"],
+            buckets=FIRST_DELTA_BUCKETS,
+            registry=r,
+        )
+        r.register(_GateCollector(node))
+        # the configured targets show 0 from the first scrape, so rate() works at once
+        for target in node.targets:
+            self.submitted.labels(target)
+            self.deltas.labels(target)
+            for status in _FINISHED_STATUSES:
+                self.finished.labels(target, status.value)
+            for reason in RejectReason:
+                self.rejected.labels(target, reason.value)
+
+    def __repr__(self) -> str:
+        state = "attached" if self.attached else "detached"
+        return f"<NodeMetrics node={self.node.node_id!r} {state} tracked_runs={self.tracked_runs}>"
+
+    # --- wiring --------------------------------------------------------------------------
+
+    @property
+    def tracked_runs(self) -> int:
+        """How many live runs the metrics keep state for."""
+        return len(self._runs)
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._attached_to)
+
+    def attach(self) -> None:
+        """Start receiving the node's run events. Calling it again does nothing more.
+
+        The listener goes into ``node.event_listeners``, which the node hands
+        to each run manager it starts; if the node is running now, also into
+        the current manager's listeners (unless it shares that list). A node
+        without ``event_listeners`` must be running: the listener then goes
+        to the current manager only, and a restarted node needs another
+        :meth:`attach`. RuntimeError if there is nowhere to attach.
+        """
+        lists: list[list[Listener]] = []
+        node_list: list[Listener] | None = getattr(self.node, "event_listeners", None)
+        if node_list is not None:
+            lists.append(node_list)
+        try:
+            lists.append(self.node.manager.listeners)
+        except RuntimeError:
+            if node_list is None:
+                raise RuntimeError(
+                    "this node has no event_listeners and is not running: "
+                    "attach the metrics inside `async with node.running()`"
+                ) from None
+        for listeners in lists:
+            if not any(listener is self._listener for listener in listeners):
+                listeners.append(self._listener)
+            if not any(seen is listeners for seen in self._attached_to):
+                self._attached_to.append(listeners)
+
+    def detach(self) -> None:
+        """Stop receiving events; forget the per-run state (those runs' durations are lost)."""
+        for listeners in self._attached_to:
+            while any(listener is self._listener for listener in listeners):
+                listeners.remove(self._listener)
+        self._attached_to.clear()
+        self._runs.clear()
+
+    # --- events --------------------------------------------------------------------------
+
+    def on_event(self, event: RunEvent, record: RunRecord) -> None:
+        """Account for one event of ``record``'s run (the run manager's listener).
+
+        Never raises for an event out of order or of a run it has not seen
+        start; it counts what it can.
+        """
+        kind = event.kind
+        run_id = event.run_id
+        target = record.target
+        if kind is EventKind.DELTA:  # the hot path: one per streamed chunk
+            times = self._runs.get(run_id)
+            if times is None:
+                self.deltas.labels(target).inc()
+                return
+            times.deltas.inc()
+            if not times.first_delta and times.started is not None:
+                times.first_delta = True
+                self.first_delta.labels(target).observe(max(0.0, event.time - times.started))
+        elif kind is EventKind.QUEUED:
+            self.submitted.labels(target).inc()
+            self._track(run_id, _RunTimes(target, event.time, self.deltas.labels(target)))
+        elif kind is EventKind.STARTED:
+            times = self._runs.get(run_id)
+            if times is not None:
+                times.started = event.time
+                wait = max(0.0, event.time - times.queued)
+                self.queue_wait.labels(target, "started").observe(wait)
+        elif kind.terminal:
+            self._ended(event, record, self._runs.pop(run_id, None))
+
+    def _ended(self, event: RunEvent, record: RunRecord, times: _RunTimes | None) -> None:
+        status = event.kind.status
+        assert status is not None
+        target = record.target
+        self.finished.labels(target, status.value).inc()
+        if status is RunStatus.REJECTED:
+            self.rejected.labels(target, event.reason or "unknown").inc()
+        usage = event.usage
+        if usage is not None:
+            if usage.prompt_tokens:
+                self.tokens.labels(target, "prompt").inc(usage.prompt_tokens)
+            if usage.completion_tokens:
+                self.tokens.labels(target, "completion").inc(usage.completion_tokens)
+        if times is None:
+            return
+        if times.started is not None:
+            duration = max(0.0, event.time - times.started)
+            self.run_duration.labels(target, status.value).observe(duration)
+        else:
+            outcome = _OUTCOME_OF_STATUS.get(status)
+            if outcome is not None:  # INTERRUPTED is not a way out of the queue
+                wait = max(0.0, event.time - times.queued)
+                self.queue_wait.labels(target, outcome).observe(wait)
+
+    def _track(self, run_id: str, times: _RunTimes) -> None:
+        runs = self._runs
+        runs[run_id] = times
+        if len(runs) > self.max_tracked_runs:
+            oldest = next(iter(runs))
+            del runs[oldest]
+            log.warning(
+                "metrics: more than %d live runs tracked; dropped the state of run %s "
+                "(did it end without a terminal event?)",
+                self.max_tracked_runs,
+                oldest,
+            )
+
+    # --- exposition ----------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The metrics in the Prometheus text format (:data:`CONTENT_TYPE`).
+
+        The ``*_created`` series that prometheus_client adds to counters and
+        histograms (their creation times, shown as extra gauges in this
+        format) are left out: they double the output and say nothing here.
+        """
+        return generate_latest(_WithoutCreated(self.registry))
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, why): healthy while the node runs and admits runs."""
+        try:
+            manager = self.node.manager
+        except RuntimeError:
+            return False, "stopped: the node is not running"
+        if not manager.admitting:
+            return False, "draining: the node admits no new runs"
+        return True, "ok"
+
+    def routes(self) -> dict[tuple[str, str], Route]:
+        """``GET /metrics`` and ``GET /healthz`` for :func:`iop_trio.httpserver.serve_http`.
+
+        ``/healthz`` answers 200 ``ok`` while the node runs and admits runs,
+        503 with the reason (``stopped: ...`` or ``draining: ...``) otherwise.
+        """
+
+        async def metrics(request: HttpRequest) -> HttpResponse:
+            return HttpResponse(200, self.render(), content_type=CONTENT_TYPE)
+
+        async def healthz(request: HttpRequest) -> HttpResponse:
+            healthy, why = self.health()
+            return HttpResponse.text(f"{why}\n", 200 if healthy else 503)
+
+        return {("GET", "/metrics"): metrics, ("GET", "/healthz"): healthz}
+
+
+__all__ = [
+    "CONTENT_TYPE",
+    "FIRST_DELTA_BUCKETS",
+    "METRICS",
+    "QUEUE_WAIT_BUCKETS",
+    "RUN_DURATION_BUCKETS",
+    "MetricInfo",
+    "NodeMetrics",
+]
