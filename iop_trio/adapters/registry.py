@@ -34,6 +34,10 @@ class AdapterRegistry:
     def __iter__(self) -> Iterator[str]:
         return iter(sorted(self._kinds))
 
+    def factory(self, kind: str) -> AdapterFactory:
+        """The factory registered for ``kind`` (KeyError if none)."""
+        return self._kinds[kind]
+
     def create(self, kind: str, name: str, **options: Any) -> Adapter:
         try:
             factory = self._kinds[kind]

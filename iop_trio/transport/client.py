@@ -135,6 +135,8 @@ class NodeClient:
             self.ended_attempts += 1
             self._attempt_ended.set()
             self._attempt_ended = trio.Event()
+            if self._stopping:
+                return
             if up_since is not None and trio.current_time() - up_since >= self.backoff.stable_after:
                 failures = 0
             delay = self.backoff.delay(failures, self._rng)

@@ -1,0 +1,615 @@
+"""``iop-node``: serve, inspect the store, submit through an edge, demo.
+
+::
+
+    iop-node serve --config node.yaml
+    iop-node check-config --config node.yaml
+    iop-node runs list|show|cancel ... --config node.yaml
+    iop-node submit --edge ws://127.0.0.1:8765 --token T --target echo/chat "prompt"
+    iop-node demo            # edge + node + echo targets on loopback (make run)
+
+Exit codes: 0 ok, 1 the run or command failed, 2 bad usage or configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import attrs
+import trio
+
+from . import __version__
+from .config import ConfigError, NodeConfig, load_config
+from .httpserver import serve_http
+from .logs import setup_logging
+from .metrics import NodeMetrics
+from .ops import ops_routes
+from .runtime.lifecycle import EventKind, RunEvent, RunRecord, RunStatus
+from .runtime.manager import RunSpec
+from .runtime.node import Node
+from .store.base import RunStore, StoreError
+
+log = logging.getLogger("iop_trio.node")
+
+
+class CliError(Exception):
+    """A failure to report in one line; ``code`` is the exit status."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# --- the store lock -------------------------------------------------------------------------
+
+
+class StoreLock:
+    """An exclusive ``flock`` on ``<db>.lock``: one node per database file.
+
+    ``acquire`` raises CliError when another process holds it; ``held_elsewhere``
+    tells without taking it.
+    """
+
+    def __init__(self, db_path: str) -> None:
+        self.path = f"{db_path}.lock"
+        self._fd: int | None = None
+
+    def __repr__(self) -> str:
+        return f"<StoreLock {self.path} {'held' if self._fd is not None else 'free'}>"
+
+    def _try(self) -> bool:
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return True
+
+    def acquire(self) -> None:
+        if not self._try():
+            raise CliError(f"another node is using this store ({self.path} is locked)", code=2)
+
+    def note(self, *lines: str) -> None:
+        """Write ``lines`` after the pid (e.g. the ops URL, for other commands to find)."""
+        assert self._fd is not None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, "\n".join([str(os.getpid()), *lines, ""]).encode(), 0)
+
+    def read(self) -> list[str]:
+        """What the holder wrote: its pid, then its notes ([] if none)."""
+        try:
+            return Path(self.path).read_text().splitlines()
+        except OSError:
+            return []
+
+    def held_elsewhere(self) -> bool:
+        if self._try():
+            self.release()
+            return False
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def open_store(config: NodeConfig) -> RunStore:
+    if config.store.kind == "memory":
+        from .store.memory import MemoryStore
+
+        return MemoryStore()
+    from .store.sqlite import SqliteStore
+
+    Path(config.store.path).parent.mkdir(parents=True, exist_ok=True)
+    return SqliteStore(config.store.path, synchronous=config.store.synchronous)
+
+
+# --- serve ----------------------------------------------------------------------------------
+
+
+def _log_run_end(event: RunEvent, record: RunRecord) -> None:
+    if not event.kind.terminal:
+        return
+    started = record.started if record.started is not None else record.created
+    log.info(
+        "run %s %s",
+        record.run_id,
+        event.kind.value,
+        extra={
+            "run_id": record.run_id,
+            "target": record.target,
+            "status": event.kind.value,
+            "reason": event.reason,
+            "background": record.background,
+            "queued_s": round(started - record.created, 3),
+            "run_s": round(event.time - started, 3) if record.started is not None else 0.0,
+        },
+    )
+
+
+async def _prune_loop(store: RunStore, config: NodeConfig) -> None:
+    days = config.store.retention_days
+    if days <= 0:
+        return
+    while True:
+        removed = await store.prune(finished_before=time.time() - days * 86400)
+        if removed:
+            log.info("pruned %d runs older than %g days", removed, days, extra={"pruned": removed})
+        await trio.sleep(config.store.prune_interval)
+
+
+async def serve(
+    config: NodeConfig,
+    *,
+    task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
+) -> int:
+    """Run the node of ``config`` until SIGTERM/SIGINT, then drain; returns the exit code.
+
+    The first signal stops admission, cancels queued runs, gives running ones
+    ``runtime.drain_timeout`` seconds and cancels the rest (status recorded);
+    a second signal cancels everything at once.
+    """
+    from .transport.client import Backoff, NodeClient
+    from .transport.session import SessionSettings
+
+    lock = StoreLock(config.store.path) if config.store.kind == "sqlite" else None
+    if lock is not None:
+        lock.acquire()
+    store = open_store(config)
+    try:
+        node = Node(
+            node_id=config.node_id,
+            adapters=config.build_adapters(),
+            targets=config.target_specs(),
+            limits=config.limits(),
+            store=store,
+        )
+        node.event_listeners.append(_log_run_end)
+        metrics = NodeMetrics(node)
+        metrics.attach()
+        async with node.running(), trio.open_nursery() as nursery:
+            if config.metrics.address is not None:
+                host, port = config.metrics.address
+                bound = await nursery.start(_serve_ops, node, metrics, host, port)
+                log.info("metrics on http://%s:%d/metrics", host, bound)
+                if lock is not None:
+                    lock.note(f"http://{host}:{bound}")
+            client: NodeClient | None = None
+            if config.edge.url:
+                client = NodeClient(
+                    node,
+                    config.edge.url,
+                    token=config.edge_token(),
+                    settings=SessionSettings(
+                        ping_interval=config.edge.ping_interval,
+                        ping_timeout=config.edge.ping_timeout,
+                        max_message_size=config.edge.max_message_size,
+                    ),
+                    backoff=Backoff(
+                        initial=config.edge.backoff_initial, maximum=config.edge.backoff_max
+                    ),
+                )
+                nursery.start_soon(client.run)
+            nursery.start_soon(_prune_loop, store, config)
+            log.info(
+                "node %s serving %s",
+                config.node_id,
+                ", ".join(node.targets),
+                extra={"node_id": config.node_id, "version": __version__},
+            )
+            task_status.started(node)
+            await _wait_and_drain(node, config.runtime.drain_timeout)
+            if client is not None:
+                await client.aclose("node stopping")
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await store.aclose()
+        if lock is not None:
+            lock.release()
+    log.info("node %s stopped", config.node_id)
+    return 0
+
+
+async def _wait_and_drain(node: Node, grace: float) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        first = await signals.__anext__()
+        log.warning(
+            "%s: draining (running runs get %gs; a second signal cancels them now)",
+            signal.Signals(first).name,
+            grace,
+        )
+        async with trio.open_nursery() as nursery:
+
+            async def second_signal() -> None:
+                await signals.__anext__()
+                log.warning("second signal: cancelling every run now")
+                node.manager.cancel_all("node_shutdown")
+
+            nursery.start_soon(second_signal)
+            cancelled = await node.manager.drain(grace)
+            nursery.cancel_scope.cancel()
+    log.info("drained; %d runs were cancelled", cancelled, extra={"cancelled": cancelled})
+
+
+async def _serve_ops(
+    node: Node,
+    metrics: NodeMetrics,
+    host: str,
+    port: int,
+    *,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    await serve_http(ops_routes(node, metrics), host, port, task_status=task_status)
+
+
+# --- runs -----------------------------------------------------------------------------------
+
+
+def _record_json(record: RunRecord) -> dict[str, Any]:
+    data = attrs.asdict(record, recurse=True)
+    data["status"] = record.status.value
+    data["messages"] = [list(m) for m in record.messages]
+    return data
+
+
+def _event_json(event: RunEvent) -> dict[str, Any]:
+    data = attrs.asdict(event, recurse=True)
+    data["kind"] = event.kind.value
+    return {k: v for k, v in data.items() if v not in ("", None)}
+
+
+def _when(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+async def runs_list(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> int:
+    store = open_store(config)
+    try:
+        statuses = [RunStatus(s) for s in ns.status or ()]
+        records = await store.list_runs(statuses=statuses, target=ns.target or "", limit=ns.limit)
+    finally:
+        await store.aclose()
+    if ns.json:
+        json.dump([_record_json(r) for r in records], out, indent=2)
+        out.write("\n")
+        return 0
+    out.write(f"{'RUN ID':<34} {'TARGET':<28} {'STATUS':<22} {'MODE':<4} CREATED\n")
+    for r in records:
+        status = r.status.value + (f"({r.reason})" if r.reason else "")
+        mode = "bg" if r.background else "fg"
+        out.write(f"{r.run_id:<34} {r.target:<28} {status:<22} {mode:<4} {_when(r.created)}\n")
+    return 0
+
+
+async def runs_show(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> int:
+    store = open_store(config)
+    try:
+        record = await store.get(ns.run_id)
+        events = await store.events(ns.run_id) if record is not None and ns.events else []
+    finally:
+        await store.aclose()
+    if record is None:
+        raise CliError(f"no run {ns.run_id!r} in {config.store.path}")
+    if ns.json:
+        data = _record_json(record)
+        if ns.events:
+            data["events"] = [_event_json(e) for e in events]
+        json.dump(data, out, indent=2)
+        out.write("\n")
+        return 0
+    for key, value in [
+        ("run", record.run_id),
+        ("target", record.target),
+        ("status", record.status.value),
+        ("reason", record.reason or "-"),
+        ("message", record.message or "-"),
+        ("mode", "background" if record.background else "foreground"),
+        ("created", _when(record.created)),
+        ("started", _when(record.started)),
+        ("finished", _when(record.finished)),
+        ("events", str(record.last_seq)),
+    ]:
+        out.write(f"{key:>9}: {value}\n")
+    if record.usage is not None:
+        u = record.usage
+        out.write(f"{'usage':>9}: {u.done_reason} in={u.prompt_tokens} out={u.completion_tokens}\n")
+    for e in events:
+        detail = repr(e.text) if e.text else " ".join(x for x in (e.reason, e.message) if x)
+        out.write(f"  #{e.seq:<5} {e.kind.value:<11} {detail}\n")
+    return 0
+
+
+async def runs_cancel(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> int:
+    """Through the running node's ops endpoint, or straight in the store if no node runs."""
+    if config.store.kind == "sqlite" and StoreLock(config.store.path).held_elsewhere():
+        return await _cancel_via_node(config, ns, out)
+    lock = StoreLock(config.store.path)
+    lock.acquire()
+    store = open_store(config)
+    try:
+        record = await store.get(ns.run_id)
+        if record is None:
+            raise CliError(f"no run {ns.run_id!r} in {config.store.path}")
+        if record.status.terminal:
+            out.write(f"{ns.run_id}: already {record.status.value}\n")
+            return 0
+        event = RunEvent(
+            ns.run_id,
+            record.last_seq + 1,
+            EventKind.CANCELLED,
+            time.time(),
+            reason=ns.reason,
+            message="cancelled from the command line while no node was running",
+        )
+        await store.append(event)
+    finally:
+        await store.aclose()
+        lock.release()
+    out.write(f"{ns.run_id}: cancelled (no node was running)\n")
+    return 0
+
+
+async def _cancel_via_node(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> int:
+    import httpx
+
+    notes = StoreLock(config.store.path).read()[1:]
+    if not notes:
+        raise CliError(
+            "a node is running on this store but has no ops endpoint (metrics.listen is "
+            "empty): cancel through the edge"
+        )
+    url = f"{notes[0]}/runs/{ns.run_id}/cancel"
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            response = await client.post(url, params={"reason": ns.reason})
+    except httpx.HTTPError as exc:
+        raise CliError(f"cannot reach the running node at {url}: {exc}") from None
+    if response.status_code == 404:
+        raise CliError(f"the node has no run {ns.run_id!r}")
+    if response.status_code != 200:
+        raise CliError(f"the node answered {response.status_code}: {response.text.strip()}")
+    data = response.json()
+    verb = "cancelled" if data.get("cancelled") else f"already {data.get('status')}"
+    out.write(f"{ns.run_id}: {verb}\n")
+    return 0
+
+
+# --- submit ---------------------------------------------------------------------------------
+
+
+async def submit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from .transport.runner_client import open_runner, options_from_pairs
+    from .transport.session import RemoteError, SessionClosed
+
+    try:
+        options = options_from_pairs(ns.option or [])
+    except ValueError as exc:
+        raise CliError(str(exc), code=2) from None
+    spec = RunSpec(
+        target=ns.target,
+        prompt=ns.prompt,
+        background=ns.background,
+        run_id=ns.run_id,
+        options=options,
+    )
+    url = ns.edge.rstrip("/")
+    if not url.endswith("/client"):
+        url += "/client"
+    try:
+        async with open_runner(url, token=ns.token) as client, client.run(spec) as stream:
+            err.write(f"run {stream.run_id}{' (existing)' if stream.existing else ''}\n")
+            async for event in stream:
+                if event.text:
+                    out.write(event.text)
+                    out.flush()
+            last = stream.last
+    except RemoteError as exc:
+        raise CliError(f"the edge refused the run: {exc}") from None
+    except (SessionClosed, OSError) as exc:
+        raise CliError(f"lost the edge: {exc}") from None
+    except Exception as exc:  # trio-websocket handshake errors
+        if type(exc).__name__ == "ConnectionRejected":
+            raise CliError(f"the edge refused the connection: {exc!r} (check --token)") from None
+        if type(exc).__name__ in ("HandshakeError", "ConnectionTimeout"):
+            raise CliError(f"cannot reach the edge at {url}: {exc!r}") from None
+        raise
+    out.write("\n")
+    assert last is not None
+    reason = f" ({last.reason}{': ' + last.message if last.message else ''})" if last.reason else ""
+    err.write(f"{last.kind.value}{reason}\n")
+    return 0 if last.kind.value == "succeeded" else 1
+
+
+# --- demo -----------------------------------------------------------------------------------
+
+
+DEMO_TOKEN = "demo-token"
+
+
+async def demo(ns: argparse.Namespace, out: TextIO) -> int:
+    """An edge and a node with echo targets in one process, on loopback, until Ctrl-C."""
+    from .adapters.echo import EchoAdapter
+    from .edge import Edge
+    from .runtime.manager import TargetSpec
+    from .runtime.node import AdapterSlot, RuntimeLimits
+    from .transport.client import NodeClient
+
+    edge = Edge(token=DEMO_TOKEN, edge_id="demo-edge")
+    node = Node(
+        node_id="demo-node",
+        adapters=[AdapterSlot(EchoAdapter("echo", delay=0.05), 8)],
+        targets=[
+            TargetSpec("echo", "chat", concurrency=2, params={"delay": 0.08}),
+            TargetSpec("echo", "fast", concurrency=4, params={"delay": 0.0}),
+        ],
+        limits=RuntimeLimits(concurrency=4, max_queued=100, queue_timeout=30),
+    )
+    async with trio.open_nursery() as nursery:
+        try:
+            port = await nursery.start(edge.serve, "127.0.0.1", ns.port)
+        except OSError as exc:
+            raise CliError(f"cannot listen on 127.0.0.1:{ns.port}: {exc.strerror}") from None
+        async with node.running():
+            client = NodeClient(node, edge.node_url, token=DEMO_TOKEN)
+            nursery.start_soon(client.run)
+            handle = await edge.wait_for_node("demo-node")
+            out.write(
+                f"iop-trio {__version__} demo: edge on ws://127.0.0.1:{port}, "
+                f"node {handle.node_id!r} connected with targets "
+                f"{', '.join(sorted(handle.targets))}\n\n"
+            )
+            async with edge.run(RunSpec("echo/chat", "hello from the iop-trio demo")) as stream:
+                out.write("demo run: ")
+                async for event in stream:
+                    out.write(event.text)
+                    out.flush()
+            out.write(f"  [{stream.last.kind.value if stream.last else '?'}]\n\n")
+            exe = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "iop-node"
+            out.write(
+                "submit your own from another terminal:\n"
+                f"  .venv/bin/{exe} submit --edge ws://127.0.0.1:{port} --token {DEMO_TOKEN} "
+                '--target echo/chat "stream me back"\n\n'
+                "Ctrl-C stops (running runs are drained first).\n"
+            )
+            out.flush()
+            if ns.once:
+                await client.aclose()
+                nursery.cancel_scope.cancel()
+                return 0
+            await _wait_and_drain(node, grace=5.0)
+            await client.aclose()
+            nursery.cancel_scope.cancel()
+    return 0
+
+
+# --- argument parsing -----------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="iop-node", description="An IOP inference node.")
+    parser.add_argument("--version", action="version", version=f"iop-node {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_config(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--config",
+            default=os.environ.get("IOP_CONFIG", "node.yaml"),
+            help="the node's YAML config (default: $IOP_CONFIG or node.yaml)",
+        )
+
+    p = sub.add_parser("serve", help="run the node until SIGTERM/SIGINT")
+    with_config(p)
+    p = sub.add_parser("check-config", help="validate the config and print what it sets up")
+    with_config(p)
+
+    runs = sub.add_parser("runs", help="inspect or cancel runs in the node's store")
+    runs_sub = runs.add_subparsers(dest="runs_command", required=True)
+    p = runs_sub.add_parser("list", help="newest runs first")
+    with_config(p)
+    p.add_argument("--status", action="append", choices=[s.value for s in RunStatus])
+    p.add_argument("--target")
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--json", action="store_true")
+    p = runs_sub.add_parser("show", help="one run, with --events its event log")
+    with_config(p)
+    p.add_argument("run_id")
+    p.add_argument("--events", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p = runs_sub.add_parser("cancel", help="cancel a live run")
+    with_config(p)
+    p.add_argument("run_id")
+    p.add_argument("--reason", default="cancelled")
+
+    p = sub.add_parser("submit", help="submit a run through an edge and stream it")
+    p.add_argument("--edge", default=os.environ.get("IOP_EDGE", "ws://127.0.0.1:8765"))
+    p.add_argument("--token", default=os.environ.get("IOP_TOKEN"))
+    p.add_argument("--target", required=True)
+    p.add_argument("--background", action="store_true")
+    p.add_argument("--run-id")
+    p.add_argument("--option", action="append", metavar="KEY=VALUE", help="JSON or text value")
+    p.add_argument("prompt")
+
+    p = sub.add_parser("demo", help="edge + node + echo targets on loopback (make run)")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--once", action="store_true", help="exit after the demo run")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    err = sys.stderr
+    ns = _parser().parse_args(argv)
+    try:
+        if ns.command == "demo":
+            setup_logging("warning")
+            return trio.run(demo, ns, out)
+        if ns.command == "submit":
+            setup_logging("warning")
+            return trio.run(submit, ns, out, err)
+        config = load_config(ns.config)
+        if ns.command == "check-config":
+            return check_config(config, out)
+        if ns.command == "serve":
+            setup_logging(config.logging.level, config.logging.format)
+            return trio.run(serve, config)
+        setup_logging("warning")
+        action = {"list": runs_list, "show": runs_show, "cancel": runs_cancel}[ns.runs_command]
+        return trio.run(action, config, ns, out)
+    except ConfigError as exc:
+        err.write(f"iop-node: {exc}\n")
+        return 2
+    except CliError as exc:
+        err.write(f"iop-node: {exc}\n")
+        return exc.code
+    except StoreError as exc:
+        err.write(f"iop-node: store: {exc}\n")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def check_config(config: NodeConfig, out: TextIO) -> int:
+    """Build everything the config describes (nothing is started) and summarise it."""
+    node = Node(
+        node_id=config.node_id,
+        adapters=config.build_adapters(),
+        targets=config.target_specs(),
+        limits=config.limits(),
+    )
+    config.edge_token()
+    limits = node.limits()
+    out.write(f"{config.source}: ok\n")
+    out.write(f"  node {config.node_id}, edge {config.edge.url or '(none)'}\n")
+    where = config.store.path if config.store.kind == "sqlite" else "(in memory)"
+    out.write(f"  store {config.store.kind} {where}\n")
+    out.write(
+        f"  runtime concurrency={limits.concurrency} max_queued={limits.max_queued} "
+        f"queue_timeout={limits.queue_timeout:g}s\n"
+    )
+    for name, adapter in node.adapters.items():
+        bound = limits.adapters[name]
+        out.write(f"  adapter {name} ({adapter.kind}) limit={'-' if bound is None else bound}\n")
+    for name in node.targets:
+        out.write(f"  target {name} limit={limits.targets[name]}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

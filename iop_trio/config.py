@@ -1,0 +1,426 @@
+"""node.yaml: the node's configuration, validated, with IOP_* environment overrides.
+
+:func:`load_config` reads a YAML file, applies environment overrides, and
+structures the result into frozen attrs classes with cattrs. Every problem
+raises :class:`ConfigError` whose message names the file and the key path,
+e.g. ``node.yaml: runtime.concurrency: must be an integer >= 1, not 0``.
+
+Environment overrides: ``IOP_<PATH>`` where ``__`` separates levels and the
+value is read as a YAML scalar, so ``IOP_RUNTIME__CONCURRENCY=16``,
+``IOP_EDGE__TOKEN=...``, ``IOP_ADAPTERS__VLLM__API_KEY=...``,
+``IOP_NODE_ID=gpu-7``. A variable naming no known key (typo) is an error.
+Targets are a list and are not overridable from the environment.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import attrs
+import cattrs
+import yaml
+
+from .adapters.base import Adapter
+from .adapters.registry import AdapterRegistry, default_registry
+from .runtime.manager import TargetSpec
+from .runtime.node import AdapterSlot, RuntimeLimits
+
+ENV_PREFIX = "IOP_"
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the file and the key."""
+
+
+def _int_at_least(low: int) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    def check(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None and value < low:
+            raise ValueError(f"{attribute.name}: must be an integer >= {low}, not {value!r}")
+
+    return check
+
+
+def _non_negative(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and (math.isnan(value) or value < 0):
+        raise ValueError(f"{attribute.name}: must be a number >= 0, not {value!r}")
+
+
+def _positive(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"{attribute.name}: must be a number > 0, not {value!r}")
+
+
+@attrs.frozen
+class EdgeConfig:
+    """Where the edge is. An empty ``url`` runs the node without an edge."""
+
+    url: str = ""
+    token: str | None = None
+    token_file: str | None = None
+    ping_interval: float = attrs.field(default=20.0, validator=_non_negative)
+    ping_timeout: float = attrs.field(default=10.0, validator=_positive)
+    max_message_size: int = attrs.field(default=4 * 1024 * 1024, validator=_int_at_least(1024))
+    backoff_initial: float = attrs.field(default=0.5, validator=_positive)
+    backoff_max: float = attrs.field(default=30.0, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.url and not re.match(r"wss?://", self.url):
+            raise ValueError(f"url: must start with ws:// or wss://, not {self.url!r}")
+        if self.token is not None and self.token_file is not None:
+            raise ValueError("token, token_file: give one of them, not both")
+
+
+@attrs.frozen
+class StoreConfig:
+    """The run store. ``retention_days`` 0 keeps runs forever."""
+
+    kind: Literal["sqlite", "memory"] = "sqlite"
+    path: str = "iop-node.db"
+    synchronous: Literal["NORMAL", "FULL"] = "NORMAL"
+    retention_days: float = attrs.field(default=30.0, validator=_non_negative)
+    prune_interval: float = attrs.field(default=3600.0, validator=_positive)
+
+
+@attrs.frozen
+class RuntimeConfig:
+    concurrency: int = attrs.field(default=8, validator=_int_at_least(1))
+    max_queued: int = attrs.field(default=1000, validator=_int_at_least(0))
+    queue_timeout: float = attrs.field(default=30.0, validator=_non_negative)
+    drain_timeout: float = attrs.field(default=30.0, validator=_non_negative)
+    final_write_timeout: float = attrs.field(default=10.0, validator=_positive)
+
+
+@attrs.frozen
+class AdapterConfig:
+    """One adapter instance. ``settings`` are the kind's own keys (base_url, api_key, ...)."""
+
+    kind: str
+    concurrency: int | None = attrs.field(default=None, validator=_int_at_least(1))
+    max_concurrency: int | None = attrs.field(default=None, validator=_int_at_least(1))
+    settings: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class TargetConfig:
+    adapter: str
+    model: str
+    profile: str = ""
+    concurrency: int = attrs.field(default=1, validator=_int_at_least(0))
+    max_queued: int | None = attrs.field(default=None, validator=_int_at_least(0))
+    queue_timeout: float | None = attrs.field(default=None, validator=_non_negative)
+    params: dict[str, Any] = attrs.field(factory=dict)
+
+    def spec(self) -> TargetSpec:
+        return TargetSpec(
+            adapter=self.adapter,
+            model=self.model,
+            profile=self.profile,
+            concurrency=self.concurrency,
+            max_queued=self.max_queued,
+            queue_timeout=self.queue_timeout,
+            params=dict(self.params),
+        )
+
+
+@attrs.frozen
+class MetricsConfig:
+    """``listen`` is host:port for /metrics and /healthz; empty turns them off."""
+
+    listen: str = "127.0.0.1:9464"
+
+    def __attrs_post_init__(self) -> None:
+        if self.listen:
+            _split_listen(self.listen)
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        return _split_listen(self.listen) if self.listen else None
+
+
+@attrs.frozen
+class LoggingConfig:
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["text", "json"] = "text"
+
+
+@attrs.frozen
+class NodeConfig:
+    node_id: str
+    targets: list[TargetConfig]
+    adapters: dict[str, AdapterConfig] = attrs.field(factory=dict)
+    edge: EdgeConfig = attrs.field(factory=EdgeConfig)
+    store: StoreConfig = attrs.field(factory=StoreConfig)
+    runtime: RuntimeConfig = attrs.field(factory=RuntimeConfig)
+    metrics: MetricsConfig = attrs.field(factory=MetricsConfig)
+    logging: LoggingConfig = attrs.field(factory=LoggingConfig)
+    source: str = "<config>"  # the file it came from, for messages
+
+    def limits(self) -> RuntimeLimits:
+        r = self.runtime
+        return RuntimeLimits(
+            concurrency=r.concurrency,
+            max_queued=r.max_queued,
+            queue_timeout=r.queue_timeout,
+            final_write_timeout=r.final_write_timeout,
+        )
+
+    def edge_token(self) -> str | None:
+        """The token, read from ``token_file`` if that is how it is given."""
+        if self.edge.token_file is None:
+            return self.edge.token
+        try:
+            return Path(self.edge.token_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{self.source}: edge.token_file: {exc}") from None
+
+    def build_adapters(self, registry: AdapterRegistry | None = None) -> list[AdapterSlot]:
+        """The adapter instances, each with its configured limit."""
+        registry = registry or default_registry()
+        slots = []
+        for name, cfg in self.adapters.items():
+            slots.append(
+                AdapterSlot(_make_adapter(registry, name, cfg, self.source), cfg.concurrency)
+            )
+        return slots
+
+    def target_specs(self) -> list[TargetSpec]:
+        return [t.spec() for t in self.targets]
+
+
+def _split_listen(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"listen: must be host:port, not {listen!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _check_adapter(registry: AdapterRegistry, name: str, cfg: AdapterConfig, source: str) -> None:
+    """The kind exists and every setting is a keyword its factory takes."""
+    where = f"{source}: adapters.{name}"
+    if cfg.kind not in registry:
+        raise ConfigError(f"{where}.kind: unknown kind {cfg.kind!r} (known: {', '.join(registry)})")
+    accepted = {
+        p.name
+        for p in inspect.signature(registry.factory(cfg.kind)).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in ("client", "max_concurrency")
+    }
+    for key in cfg.settings:
+        if key not in accepted:
+            raise ConfigError(
+                f"{where}.{key}: not a setting of kind {cfg.kind!r} "
+                f"(known: {', '.join(sorted(accepted))})"
+            )
+
+
+def _make_adapter(registry: AdapterRegistry, name: str, cfg: AdapterConfig, source: str) -> Adapter:
+    _check_adapter(registry, name, cfg, source)
+    options = dict(cfg.settings)
+    if cfg.max_concurrency is not None:
+        options["max_concurrency"] = cfg.max_concurrency
+    try:
+        return registry.create(cfg.kind, name, **options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}: adapters.{name}: {exc}") from None
+
+
+# --- structuring ---------------------------------------------------------------------------
+
+
+def _strict_converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True)
+
+    def exact_int(value: Any, _: type) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"must be an integer, not {value!r}")
+        return value
+
+    def number(value: Any, _: type) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"must be a number, not {value!r}")
+        return float(value)
+
+    def text(value: Any, _: type) -> str:
+        if not isinstance(value, str):
+            raise ValueError(f"must be a string, not {value!r}")
+        return value
+
+    def boolean(value: Any, _: type) -> bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"must be true or false, not {value!r}")
+        return value
+
+    conv.register_structure_hook(int, exact_int)
+    conv.register_structure_hook(float, number)
+    conv.register_structure_hook(str, text)
+    conv.register_structure_hook(bool, boolean)
+    conv.register_structure_hook(Any, lambda value, _: value)
+
+    base_adapter = conv.get_structure_hook(AdapterConfig)
+
+    def adapter(value: Any, _: type) -> AdapterConfig:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"must be a mapping, not {value!r}")
+        known = {"kind", "concurrency", "max_concurrency"}
+        core = {k: v for k, v in value.items() if k in known}
+        settings = {k: v for k, v in value.items() if k not in known}
+        if "settings" in value:
+            raise ValueError("put the adapter's own keys at its top level, not under settings")
+        result: AdapterConfig = base_adapter({**core, "settings": settings}, AdapterConfig)
+        return result
+
+    conv.register_structure_hook(AdapterConfig, adapter)
+    return conv
+
+
+_CONVERTER = _strict_converter()
+
+
+def _format(exc: BaseException, _type: Any) -> str:
+    if isinstance(exc, KeyError):
+        return (
+            f"required key {exc.args[0]!r} is missing" if exc.args else "a required key is missing"
+        )
+    if isinstance(exc, cattrs.ForbiddenExtraKeysError):
+        return f"unknown key(s) {', '.join(sorted(exc.extra_fields))}"
+    literal = re.fullmatch(r"(.*) not in literal typing\.Literal\[(.*)\]", str(exc))
+    if literal:
+        return f"must be one of {literal.group(2)}, not {literal.group(1)!r}"
+    if isinstance(exc, ValueError | TypeError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _messages(exc: Exception) -> list[str]:
+    """'path: problem' lines from a cattrs error (the path without the leading '$.')."""
+    lines = []
+    for line in cattrs.transform_error(exc, path="$", format_exception=_format):
+        message, _, path = line.rpartition(" @ ")
+        path = re.sub(r"\['([^']*)'\]", r".\1", path).removeprefix("$").removeprefix(".")
+        # a validator names its own field: "field: problem" at the class's path
+        if ": " in message and not message.startswith(("required", "unknown")):
+            field, _, rest = message.partition(": ")
+            if re.fullmatch(r"[a-z_][a-z0-9_]*(, [a-z_][a-z0-9_]*)*", field):
+                path = f"{path}.{field}" if path else field
+                message = rest
+        lines.append(f"{path}: {message}" if path else message)
+    return lines
+
+
+def structure_config(data: Any, *, source: str = "<config>") -> NodeConfig:
+    """A NodeConfig from plain data; ConfigError naming ``source`` and the key."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: the top level must be a mapping of keys")
+    try:
+        config = _CONVERTER.structure({**data, "source": source}, NodeConfig)
+    except Exception as exc:  # cattrs raises class/iterable validation groups
+        raise ConfigError("\n".join(f"{source}: {m}" for m in _messages(exc))) from None
+    _check_references(config)
+    return config
+
+
+def _check_references(config: NodeConfig) -> None:
+    src = config.source
+    if not config.node_id.strip():
+        raise ConfigError(f"{src}: node_id: must not be empty")
+    if not config.targets:
+        raise ConfigError(f"{src}: targets: a node needs at least one target")
+    names: set[str] = set()
+    for i, target in enumerate(config.targets):
+        if target.adapter not in config.adapters:
+            raise ConfigError(
+                f"{src}: targets[{i}].adapter: {target.adapter!r} is not one of the "
+                f"adapters ({', '.join(sorted(config.adapters)) or 'none configured'})"
+            )
+        name = target.spec().name
+        if name in names:
+            raise ConfigError(f"{src}: targets[{i}]: target {name!r} is configured twice")
+        names.add(name)
+    registry = default_registry()
+    for name, adapter in config.adapters.items():
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+            raise ConfigError(f"{src}: adapters.{name}: names are letters, digits, _ . -")
+        _check_adapter(registry, name, adapter, src)
+
+
+def apply_env(data: dict[str, Any], environ: Mapping[str, str], *, source: str) -> dict[str, Any]:
+    """``data`` with IOP_* overrides applied (see the module docstring)."""
+    result: dict[str, Any] = _deep_copy(data)
+    for var in sorted(environ):
+        if not var.startswith(ENV_PREFIX) or var in _NOT_CONFIG:
+            continue
+        path = [p.lower() for p in var[len(ENV_PREFIX) :].split("__")]
+        if not all(path):
+            raise ConfigError(f"{var}: empty path segment (use __ between levels)")
+        if not _known_path(path, result):
+            raise ConfigError(f"{var}: names no configuration key ({'.'.join(path)})")
+        value = yaml.safe_load(environ[var]) if environ[var] != "" else ""
+        node: dict[str, Any] = result
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{var}: {part} in {source} is not a mapping")
+            node = child
+        node[path[-1]] = value
+    return result
+
+
+# variables that belong to tools, not to the node's config
+_NOT_CONFIG = frozenset({"IOP_SMOKE", "IOP_CONFIG", "IOP_EDGE", "IOP_TOKEN"})
+
+
+def _known_path(path: list[str], data: Mapping[str, Any]) -> bool:
+    head = path[0]
+    if len(path) == 1:
+        return head in {"node_id"}
+    sections = {
+        "edge": EdgeConfig,
+        "store": StoreConfig,
+        "runtime": RuntimeConfig,
+        "metrics": MetricsConfig,
+        "logging": LoggingConfig,
+    }
+    if head in sections:
+        return len(path) == 2 and path[1] in attrs.fields_dict(sections[head])
+    if head == "adapters":
+        # adapters.<name>.<key>: the name must exist; the key is checked against its kind later
+        return len(path) == 3 and path[1] in (data.get("adapters") or {})
+    return False
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+def load_config(
+    path: str | os.PathLike[str], environ: Mapping[str, str] | None = None
+) -> NodeConfig:
+    """Read, override from the environment (``os.environ`` by default), validate."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{source}: not valid YAML{where}: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of keys")
+    data = apply_env(data, os.environ if environ is None else environ, source=source)
+    return structure_config(data, source=source)

@@ -1,0 +1,196 @@
+"""iop-node: check-config, runs list/show/cancel, submit, demo (real files and processes)."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from iop_trio.cli import CliError, StoreLock, main
+from iop_trio.runtime import RunState, RunStatus
+from iop_trio.store.sqlite import SqliteStore
+
+from .test_wire import TOKEN, echo_node, stack
+
+IOP_NODE = [sys.executable, "-m", "iop_trio.cli"]
+
+
+def write_config(tmp_path: Path, **sections: str) -> Path:
+    db = tmp_path / "var" / "node.db"
+    text = (
+        "node_id: cli-node\n"
+        "adapters: {echo: {kind: echo, delay: 0.01}}\n"
+        "targets:\n  - {adapter: echo, model: m, concurrency: 2}\n"
+        f"store: {{path: {db}}}\n"
+        "metrics: {listen: ''}\n"
+    )
+    for name, body in sections.items():
+        text += f"{name}: {body}\n"
+    path = tmp_path / "node.yaml"
+    path.write_text(text)
+    return path
+
+
+def run_cli(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    code = main(list(argv), out=out)
+    return code, out.getvalue()
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("iop-node 0.")
+
+
+def test_check_config_ok_and_bad(tmp_path, capsys):
+    path = write_config(tmp_path)
+    code, out = run_cli("check-config", "--config", str(path))
+    assert code == 0
+    assert f"{path}: ok" in out and "target echo/m limit=2" in out
+    bad = write_config(tmp_path, runtime="{concurrency: 0}")
+    code, _ = run_cli("check-config", "--config", str(bad))
+    assert code == 2
+    assert f"{bad}: runtime.concurrency: must be an integer >= 1, not 0" in capsys.readouterr().err
+
+
+def seed_store(db: Path) -> dict[str, str]:
+    """A store left by a stopped node: one run done, one still QUEUED, one RUNNING."""
+
+    async def seed() -> None:
+        store = SqliteStore(db)
+        for run_id, steps in (
+            ("done-1", [RunStatus.RUNNING, RunStatus.SUCCEEDED]),
+            ("queued-1", []),
+            ("running-1", [RunStatus.RUNNING]),
+        ):
+            state, first = RunState.create(
+                run_id=run_id, target="echo/m", background=True, time=1.0, prompt="p"
+            )
+            await store.create(state.record, first)
+            for step in steps:
+                await store.append(state.transition(step, time=2.0))
+        await store.aclose()
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    trio.run(seed)
+    return {"done": "done-1", "queued": "queued-1", "running": "running-1"}
+
+
+def test_runs_list_show_and_offline_cancel(tmp_path, capsys):
+    path = write_config(tmp_path)
+    db = tmp_path / "var" / "node.db"
+    ids = seed_store(db)
+
+    code, out = run_cli("runs", "list", "--config", str(path))
+    assert code == 0
+    assert all(run_id in out for run_id in ids.values())
+    code, out = run_cli("runs", "list", "--config", str(path), "--status", "succeeded", "--json")
+    assert [r["run_id"] for r in json.loads(out)] == ["done-1"]
+
+    code, out = run_cli("runs", "show", "done-1", "--events", "--config", str(path))
+    assert code == 0
+    assert "status: succeeded" in out and "#3     succeeded" in out
+
+    code, out = run_cli("runs", "cancel", "queued-1", "--config", str(path), "--reason", "ops")
+    assert (code, out.strip()) == (0, "queued-1: cancelled (no node was running)")
+    code, out = run_cli("runs", "show", "queued-1", "--json", "--config", str(path))
+    shown = json.loads(out)
+    assert (shown["status"], shown["reason"]) == ("cancelled", "ops")
+    code, out = run_cli("runs", "cancel", "done-1", "--config", str(path))
+    assert (code, out.strip()) == (0, "done-1: already succeeded")
+
+    code, _ = run_cli("runs", "show", "nope", "--config", str(path))
+    assert code == 1
+    assert "no run 'nope'" in capsys.readouterr().err
+
+
+def test_one_node_per_store(tmp_path):
+    db = str(tmp_path / "node.db")
+    first = StoreLock(db)
+    first.acquire()
+    assert StoreLock(db).held_elsewhere()
+    second = StoreLock(db)
+    with pytest.raises(CliError, match="another node is using this store"):
+        second.acquire()
+    first.release()
+    assert not StoreLock(db).held_elsewhere()
+
+
+async def test_submit_streams_deltas_through_the_edge():
+    async with stack(echo_node(("a", 1))) as s:
+        result = await trio.run_process(
+            [
+                *IOP_NODE,
+                "submit",
+                "--edge",
+                s.edge.url,
+                "--token",
+                TOKEN,
+                "--target",
+                "echo/a",
+                "hello from the cli",
+            ],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.decode() == "hello from the cli\n"
+        assert result.stderr.decode().endswith("succeeded\n")
+
+        refused = await trio.run_process(
+            [
+                *IOP_NODE,
+                "submit",
+                "--edge",
+                s.edge.url,
+                "--token",
+                "wrong",
+                "--target",
+                "echo/a",
+                "x",
+            ],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+        assert refused.returncode == 1
+        assert "401" in refused.stderr.decode()
+
+        unknown = await trio.run_process(
+            [
+                *IOP_NODE,
+                "submit",
+                "--edge",
+                s.edge.url,
+                "--token",
+                TOKEN,
+                "--target",
+                "echo/zz",
+                "x",
+            ],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+        assert unknown.returncode == 1
+        assert "no connected node serves 'echo/zz'" in unknown.stderr.decode()
+
+
+async def test_demo_once_runs_end_to_end():
+    result = await trio.run_process(
+        [*IOP_NODE, "demo", "--once", "--port", "0"],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    out = result.stdout.decode()
+    assert result.returncode == 0, result.stderr
+    assert "demo run: hello from the iop-trio demo  [succeeded]" in out
+    assert "submit --edge ws://127.0.0.1:" in out

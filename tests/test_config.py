@@ -1,0 +1,159 @@
+"""node.yaml: validation names the file and the key; IOP_* overrides."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from iop_trio.adapters import EchoAdapter, OllamaAdapter, OpenAIAdapter
+from iop_trio.config import ConfigError, apply_env, load_config, structure_config
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "node.yaml"
+
+
+def example() -> dict[str, Any]:
+    data = yaml.safe_load(EXAMPLE.read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def check(data: dict[str, Any], env: dict[str, str] | None = None) -> Any:
+    return structure_config(apply_env(data, env or {}, source="node.yaml"), source="node.yaml")
+
+
+def test_the_example_config_is_valid_and_builds_a_node():
+    config = load_config(EXAMPLE, environ={})
+    assert config.node_id == "gpu-node-1"
+    assert [t.name for t in config.target_specs()] == [
+        "ollama/llama3:8b",
+        "ollama/llama3:8b@precise",
+        "vllm/meta-llama/Llama-3.1-8B-Instruct",
+        "echo/test",
+    ]
+    slots = {s.adapter.name: s for s in config.build_adapters()}
+    assert isinstance(slots["ollama"].adapter, OllamaAdapter)
+    assert isinstance(slots["vllm"].adapter, OpenAIAdapter)
+    assert isinstance(slots["echo"].adapter, EchoAdapter)
+    assert slots["vllm"].adapter.capabilities.max_concurrency == 16
+    assert (slots["ollama"].concurrency, slots["echo"].concurrency) == (4, None)
+    assert config.limits().concurrency == 8
+    assert config.metrics.address == ("127.0.0.1", 9464)
+
+
+def test_environment_overrides_reach_nested_keys():
+    config = load_config(
+        EXAMPLE,
+        environ={
+            "IOP_RUNTIME__CONCURRENCY": "16",
+            "IOP_EDGE__TOKEN": "from-env",
+            "IOP_ADAPTERS__VLLM__API_KEY": "sk-test",
+            "IOP_NODE_ID": "gpu-7",
+            "IOP_LOGGING__FORMAT": "text",
+            "UNRELATED": "x",
+        },
+    )
+    assert config.runtime.concurrency == 16
+    assert config.edge_token() == "from-env"
+    assert config.adapters["vllm"].settings["api_key"] == "sk-test"
+    assert config.node_id == "gpu-7"
+    assert config.logging.format == "text"
+
+
+def test_token_file(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    data = example()
+    data["edge"] = {"url": "ws://127.0.0.1:1/node", "token_file": str(token)}
+    assert check(data).edge_token() == "s3cret"
+    data["edge"]["token_file"] = str(tmp_path / "missing")
+    with pytest.raises(ConfigError, match=r"node.yaml: edge.token_file: .*No such file"):
+        check(data).edge_token()
+
+
+def mutate(path: str, value: Any) -> dict[str, Any]:
+    data = copy.deepcopy(example())
+    *parents, last = path.split(".")
+    node: Any = data
+    for part in parents:
+        node = node[int(part)] if part.isdigit() else node[part]
+    if value is KeyError:
+        del node[int(last) if last.isdigit() else last]
+    else:
+        node[int(last) if last.isdigit() else last] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        ("runtime.concurrency", 0, "runtime.concurrency: must be an integer >= 1, not 0"),
+        ("runtime.concurrency", 2.5, "runtime.concurrency: must be an integer, not 2.5"),
+        ("runtime.concurrency", True, "runtime.concurrency: must be an integer, not True"),
+        ("runtime.queue_timeout", "soon", "runtime.queue_timeout: must be a number, not 'soon'"),
+        ("runtime.queue_timeout", -1, "runtime.queue_timeout: must be a number >= 0"),
+        ("runtime.concurency", 3, "runtime: unknown key\\(s\\) concurency"),
+        ("node_id", KeyError, "node_id: required key 'node_id' is missing"),
+        ("targets.1.model", KeyError, "targets\\[1\\].model: required key 'model' is missing"),
+        ("targets.0.adapter", "nope", "targets\\[0\\].adapter: 'nope' is not one of the adapters"),
+        ("targets.2.concurrency", -1, "targets\\[2\\].concurrency: must be an integer >= 0"),
+        ("adapters.ollama.kind", "llamafile", "adapters.ollama.kind: unknown kind 'llamafile'"),
+        ("adapters.ollama.base_ur", "x", "adapters.ollama.base_ur: not a setting of kind"),
+        ("adapters.vllm.concurrency", 0, "adapters.vllm.concurrency: must be an integer >= 1"),
+        ("edge.url", "http://x", "edge.url: must start with ws:// or wss://"),
+        ("logging.format", "xml", "logging.format: must be one of 'text', 'json', not 'xml'"),
+        ("store.kind", "postgres", "store.kind: must be one of 'sqlite', 'memory'"),
+        ("metrics.listen", "nope", "metrics.listen: must be host:port"),
+        ("targets", [], "targets: a node needs at least one target"),
+    ],
+)
+def test_bad_values_name_the_file_and_the_key(path, value, message):
+    with pytest.raises(ConfigError, match=f"^node.yaml: {message}"):
+        check(mutate(path, value))
+
+
+def test_a_target_twice_is_refused():
+    data = example()
+    data["targets"].append(dict(data["targets"][0]))
+    with pytest.raises(ConfigError, match="targets\\[4\\]: target 'ollama/llama3:8b' is config"):
+        check(data)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"IOP_RUNTIME__CONCURENCY": "3"}, "IOP_RUNTIME__CONCURENCY: names no configuration key"),
+        ({"IOP_ADAPTERS__NOPE__BASE_URL": "x"}, "IOP_ADAPTERS__NOPE__BASE_URL: names no config"),
+        ({"IOP_RUNTIME__CONCURRENCY": "many"}, "runtime.concurrency: must be an integer, not 'm"),
+    ],
+)
+def test_bad_environment_overrides(env, message):
+    with pytest.raises(ConfigError, match=message):
+        check(example(), env)
+
+
+def test_file_problems_name_the_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match=f"{missing}: cannot read"):
+        load_config(missing, environ={})
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("node_id: x\ntargets: [\n")
+    with pytest.raises(ConfigError, match=f"{broken}: not valid YAML \\(line 3"):
+        load_config(broken, environ={})
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="the top level must be a mapping"):
+        load_config(listy, environ={})
+
+
+def test_a_minimal_config_gets_defaults(tmp_path):
+    path = tmp_path / "node.yaml"
+    path.write_text(
+        "node_id: n\nadapters: {echo: {kind: echo}}\ntargets: [{adapter: echo, model: m}]\n"
+    )
+    config = load_config(path, environ={})
+    assert (config.edge.url, config.store.kind, config.runtime.max_queued) == ("", "sqlite", 1000)
+    assert config.target_specs()[0].concurrency == 1
