@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import attrs
@@ -107,3 +108,27 @@ class CountingEcho(EchoAdapter):
                 yield chunks
         finally:
             self.active_by_model[model] -= 1
+
+
+class _Keep(logging.Handler):
+    def __init__(self, records: list[logging.LogRecord]) -> None:
+        super().__init__(logging.DEBUG)
+        self.records = records
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextmanager
+def logged(name: str) -> Iterator[list[logging.LogRecord]]:
+    """The records logged under ``name`` meanwhile (works without pytest's logging plugin)."""
+    records: list[logging.LogRecord] = []
+    logger = logging.getLogger(name)
+    handler, level = _Keep(records), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -122,74 +123,44 @@ def test_one_node_per_store(tmp_path):
     assert not StoreLock(db).held_elsewhere()
 
 
+async def cli(*argv: str) -> subprocess.CompletedProcess[bytes]:
+    """``iop-node ARGV`` as a real process; output captured, exit code not checked."""
+    return await trio.run_process(
+        [*IOP_NODE, *argv], capture_stdout=True, capture_stderr=True, check=False
+    )
+
+
 async def test_submit_streams_deltas_through_the_edge():
     async with stack(echo_node(("a", 1))) as s:
-        result = await trio.run_process(
-            [
-                *IOP_NODE,
-                "submit",
-                "--edge",
-                s.edge.url,
-                "--token",
-                TOKEN,
-                "--target",
-                "echo/a",
-                "hello from the cli",
-            ],
-            capture_stdout=True,
-            capture_stderr=True,
-            check=False,
+        result = await cli(
+            "submit",
+            "--edge",
+            s.edge.url,
+            "--token",
+            TOKEN,
+            "--target",
+            "echo/a",
+            "hello from the cli",
         )
         assert result.returncode == 0, result.stderr
         assert result.stdout.decode() == "hello from the cli\n"
         assert result.stderr.decode().endswith("succeeded\n")
 
-        refused = await trio.run_process(
-            [
-                *IOP_NODE,
-                "submit",
-                "--edge",
-                s.edge.url,
-                "--token",
-                "wrong",
-                "--target",
-                "echo/a",
-                "x",
-            ],
-            capture_stdout=True,
-            capture_stderr=True,
-            check=False,
+        refused = await cli(
+            "submit", "--edge", s.edge.url, "--token", "wrong", "--target", "echo/a", "x"
         )
         assert refused.returncode == 1
         assert "401" in refused.stderr.decode()
 
-        unknown = await trio.run_process(
-            [
-                *IOP_NODE,
-                "submit",
-                "--edge",
-                s.edge.url,
-                "--token",
-                TOKEN,
-                "--target",
-                "echo/zz",
-                "x",
-            ],
-            capture_stdout=True,
-            capture_stderr=True,
-            check=False,
+        unknown = await cli(
+            "submit", "--edge", s.edge.url, "--token", TOKEN, "--target", "echo/zz", "x"
         )
         assert unknown.returncode == 1
         assert "no connected node serves 'echo/zz'" in unknown.stderr.decode()
 
 
 async def test_demo_once_runs_end_to_end():
-    result = await trio.run_process(
-        [*IOP_NODE, "demo", "--once", "--port", "0"],
-        capture_stdout=True,
-        capture_stderr=True,
-        check=False,
-    )
+    result = await cli("demo", "--once", "--port", "0")
     out = result.stdout.decode()
     assert result.returncode == 0, result.stderr
     assert "demo run: hello from the iop-trio demo  [succeeded]" in out

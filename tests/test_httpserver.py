@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator, Iterator, Mapping
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 
 import attrs
 import httpx
@@ -19,6 +18,8 @@ from iop_trio.httpserver import (
     Route,
     serve_http,
 )
+
+from .support import logged
 
 WAIT = 10.0  # the bound of any single wait in these tests
 
@@ -65,30 +66,6 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/runs/"): echo,
     ("GET", "/boom"): boom,
 }
-
-
-class _Keep(logging.Handler):
-    def __init__(self, records: list[logging.LogRecord]) -> None:
-        super().__init__(logging.DEBUG)
-        self.records = records
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@contextmanager
-def logged(name: str) -> Iterator[list[logging.LogRecord]]:
-    """The records logged under ``name`` meanwhile (works without pytest's logging plugin)."""
-    records: list[logging.LogRecord] = []
-    logger = logging.getLogger(name)
-    handler, level = _Keep(records), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 async def raw_exchange(port: int, data: bytes) -> bytes:

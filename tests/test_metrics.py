@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator, Iterator, Mapping
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 
 import attrs
 import httpx
@@ -36,7 +35,7 @@ from iop_trio.runtime import (
     Usage,
 )
 
-from .support import ScriptedAdapter
+from .support import ScriptedAdapter, logged
 
 WAIT = 10.0  # the bound of any single wait in these tests
 A = "scripted/a"
@@ -94,30 +93,6 @@ class Scraper:
         with trio.fail_after(WAIT):
             response = await self.client.get("/healthz")
         return response.status_code, response.text
-
-
-class _Keep(logging.Handler):
-    def __init__(self, records: list[logging.LogRecord]) -> None:
-        super().__init__(logging.DEBUG)
-        self.records = records
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@contextmanager
-def logged(name: str) -> Iterator[list[logging.LogRecord]]:
-    """The records logged under ``name`` meanwhile (works without pytest's logging plugin)."""
-    records: list[logging.LogRecord] = []
-    logger = logging.getLogger(name)
-    handler, level = _Keep(records), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 @asynccontextmanager
