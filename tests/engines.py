@@ -37,9 +37,10 @@ from typing import Any, Literal
 import attrs
 import h11
 import httpx
+import pytest
 import trio
 
-from iop_trio.adapters.base import Adapter
+from iop_trio.adapters.base import Adapter, AdapterError, AdapterRequest, Chunk
 from iop_trio.runtime import Node, RunEvent, RunRecord, RunSpec, TargetSpec
 
 Ending = Literal["finish", "abort", "reset", "hang"]
@@ -536,3 +537,17 @@ async def next_event(node: Node, run_id: str, after_seq: int) -> RunEvent:
     """The first event of ``run_id`` with seq > ``after_seq`` (waits at most :data:`WAIT`)."""
     with trio.fail_after(WAIT):
         return await node.manager.watch(run_id, after_seq=after_seq).__anext__()
+
+
+async def collect(adapter: Adapter, request: AdapterRequest) -> list[Chunk]:
+    """Everything ``adapter`` streams for ``request`` (bounded wait)."""
+    with trio.fail_after(10):
+        async with adapter.open_stream(request) as chunks:
+            return [chunk async for chunk in chunks]
+
+
+async def failure(adapter: Adapter, request: AdapterRequest) -> AdapterError:
+    """The AdapterError ``adapter`` raises for ``request`` (fails the test if none)."""
+    with pytest.raises(AdapterError) as info:
+        await collect(adapter, request)
+    return info.value

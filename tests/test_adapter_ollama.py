@@ -15,9 +15,7 @@ import pytest
 import trio
 
 from iop_trio.adapters import (
-    AdapterError,
     AdapterRequest,
-    Chunk,
     Completion,
     Delta,
     OllamaAdapter,
@@ -30,6 +28,8 @@ from .engines import (
     NDJSON,
     EngineServer,
     Reply,
+    collect,
+    failure,
     make_node,
     ndjson,
     next_event,
@@ -58,18 +58,6 @@ def ollama(server: EngineServer, **kw: Any) -> OllamaAdapter:
     kw.setdefault("read_timeout", 10.0)
     kw.setdefault("connect_timeout", 5.0)
     return OllamaAdapter("ollama", base_url=server.url, **kw)
-
-
-async def collect(adapter: OllamaAdapter, request: AdapterRequest) -> list[Chunk]:
-    with trio.fail_after(10):
-        async with adapter.open_stream(request) as chunks:
-            return [chunk async for chunk in chunks]
-
-
-async def failure(adapter: OllamaAdapter, request: AdapterRequest) -> AdapterError:
-    with pytest.raises(AdapterError) as info:
-        await collect(adapter, request)
-    return info.value
 
 
 # --- streaming --------------------------------------------------------------------------------

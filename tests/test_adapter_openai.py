@@ -17,9 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from iop_trio.adapters import (
-    AdapterError,
     AdapterRequest,
-    Chunk,
     Completion,
     Delta,
     OpenAIAdapter,
@@ -34,6 +32,8 @@ from .engines import (
     SSE_DONE,
     EngineServer,
     Reply,
+    collect,
+    failure,
     make_node,
     next_event,
     openai_chunk,
@@ -63,18 +63,6 @@ def openai(server: EngineServer, **kw: Any) -> OpenAIAdapter:
     kw.setdefault("read_timeout", 10.0)
     kw.setdefault("connect_timeout", 5.0)
     return OpenAIAdapter("vllm", base_url=server.url, **kw)
-
-
-async def collect(adapter: OpenAIAdapter, request: AdapterRequest) -> list[Chunk]:
-    with trio.fail_after(10):
-        async with adapter.open_stream(request) as chunks:
-            return [chunk async for chunk in chunks]
-
-
-async def failure(adapter: OpenAIAdapter, request: AdapterRequest = PROMPT) -> AdapterError:
-    with pytest.raises(AdapterError) as info:
-        await collect(adapter, request)
-    return info.value
 
 
 def assert_names_engine(message: str, url: str) -> None:
