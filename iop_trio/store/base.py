@@ -19,6 +19,18 @@ class StoreError(Exception):
     """The store could not do what was asked (I/O, corruption, a refused event)."""
 
 
+def check_first_event(record: RunRecord, event: RunEvent) -> None:
+    """StoreError unless ``event`` is the QUEUED event (seq 1) of a QUEUED ``record``."""
+    if (
+        event.run_id != record.run_id
+        or event.seq != 1
+        or event.status is not RunStatus.QUEUED
+        or record.status is not RunStatus.QUEUED
+        or record.last_seq != 1
+    ):
+        raise StoreError(f"run {record.run_id} must start with a QUEUED event, seq 1")
+
+
 class RunStore(abc.ABC):
     """Where runs and their events live. All methods are safe to call from many tasks."""
 

@@ -8,7 +8,7 @@ import attrs
 import trio
 
 from ..runtime.lifecycle import RunEvent, RunRecord, RunStatus, interruption
-from .base import RunStore, StoreError
+from .base import RunStore, StoreError, check_first_event
 
 
 class MemoryStore(RunStore):
@@ -25,14 +25,7 @@ class MemoryStore(RunStore):
         await trio.lowlevel.checkpoint()
         if record.run_id in self._runs:
             raise StoreError(f"run {record.run_id} exists")
-        if (
-            event.run_id != record.run_id
-            or event.seq != 1
-            or event.status is not RunStatus.QUEUED
-            or record.status is not RunStatus.QUEUED
-            or record.last_seq != 1
-        ):
-            raise StoreError(f"run {record.run_id} must start with a QUEUED event, seq 1")
+        check_first_event(record, event)
         self._runs[record.run_id] = _copy(record)
         self._events[record.run_id] = [event]
 

@@ -67,7 +67,7 @@ import trio
 
 from ..adapters.base import Usage
 from ..runtime.lifecycle import EventKind, RunEvent, RunRecord, RunStatus, interruption
-from .base import RunStore, StoreError
+from .base import RunStore, StoreError, check_first_event
 
 log = logging.getLogger(__name__)
 
@@ -302,15 +302,11 @@ class SqliteStore(RunStore):
         non-string key as a string). All or nothing under cancellation (see
         the module docstring).
         """
-        if (
-            event.run_id != record.run_id
-            or event.seq != 1
-            or event.status is not RunStatus.QUEUED
-            or record.status is not RunStatus.QUEUED
-            or record.last_seq != 1
-        ):
+        try:
+            check_first_event(record, event)
+        except StoreError:
             await trio.lowlevel.checkpoint()
-            raise StoreError(f"run {record.run_id} must start with a QUEUED event, seq 1")
+            raise
         try:
             row = _run_row(record)
         except (TypeError, ValueError) as exc:
