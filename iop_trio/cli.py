@@ -33,7 +33,7 @@ from .config import ConfigError, NodeConfig, load_config
 from .httpserver import serve_http
 from .logs import setup_logging
 from .metrics import NodeMetrics
-from .ops import ops_routes
+from .ops import ops_routes, record_json
 from .runtime.lifecycle import EventKind, RunEvent, RunRecord, RunStatus
 from .runtime.manager import RunSpec
 from .runtime.node import Node
@@ -262,13 +262,6 @@ async def _serve_ops(
 # --- runs -----------------------------------------------------------------------------------
 
 
-def _record_json(record: RunRecord) -> dict[str, Any]:
-    data = attrs.asdict(record, recurse=True)
-    data["status"] = record.status.value
-    data["messages"] = [list(m) for m in record.messages]
-    return data
-
-
 def _event_json(event: RunEvent) -> dict[str, Any]:
     data = attrs.asdict(event, recurse=True)
     data["kind"] = event.kind.value
@@ -287,7 +280,7 @@ async def runs_list(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> 
     finally:
         await store.aclose()
     if ns.json:
-        json.dump([_record_json(r) for r in records], out, indent=2)
+        json.dump([record_json(r) for r in records], out, indent=2)
         out.write("\n")
         return 0
     out.write(f"{'RUN ID':<34} {'TARGET':<28} {'STATUS':<22} {'MODE':<4} CREATED\n")
@@ -308,7 +301,7 @@ async def runs_show(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> 
     if record is None:
         raise CliError(f"no run {ns.run_id!r} in {config.store.path}")
     if ns.json:
-        data = _record_json(record)
+        data = record_json(record)
         if ns.events:
             data["events"] = [_event_json(e) for e in events]
         json.dump(data, out, indent=2)

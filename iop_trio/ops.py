@@ -19,8 +19,17 @@ import attrs
 
 from .httpserver import HttpRequest, HttpResponse, Route
 from .metrics import NodeMetrics
+from .runtime.lifecycle import RunRecord
 from .runtime.manager import UnknownRun
 from .runtime.node import Node
+
+
+def record_json(record: RunRecord) -> dict[str, Any]:
+    """A run record as plain JSON data (what ``GET /runs/<id>`` and ``runs show --json`` give)."""
+    data = attrs.asdict(record, recurse=True)
+    data["status"] = record.status.value
+    data["options"] = dict(record.options)  # a live run's may be a read-only mapping
+    return data
 
 
 def _json(data: Any, status: int = 200) -> HttpResponse:
@@ -36,9 +45,7 @@ def ops_routes(node: Node, metrics: NodeMetrics) -> dict[tuple[str, str], Route]
         record = await node.manager.get(run_id) if run_id and "/" not in run_id else None
         if record is None:
             return _json({"error": f"unknown run {run_id!r}"}, 404)
-        data = attrs.asdict(record, recurse=True)
-        data["status"] = record.status.value
-        return _json(data)
+        return _json(record_json(record))
 
     async def cancel(request: HttpRequest) -> HttpResponse:
         run_id, _, action = request.subpath.partition("/")
