@@ -22,7 +22,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable, Collection, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -196,6 +196,17 @@ class RunWatcher:
             event = live.events[self.next_seq - 1]
         self.next_seq = event.seq + 1
         return event
+
+
+def notify(
+    listeners: Sequence[Callable[[RunEvent, RunRecord], None]], event: RunEvent, record: RunRecord
+) -> None:
+    """Call each listener with ``(event, record)``; one that raises is logged and skipped."""
+    for listener in listeners:
+        try:
+            listener(event, record)
+        except Exception:
+            log.exception("event listener %r failed", listener)
 
 
 def overlay(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -377,11 +388,7 @@ class RunManager:
 
     def _published(self, live: _LiveRun, event: RunEvent) -> None:
         live.publish(event)
-        for listener in self.listeners:
-            try:
-                listener(event, live.state.record)
-            except Exception:
-                log.exception("event listener %r failed", listener)
+        notify(self.listeners, event, live.state.record)
 
     async def _finish(self, live: _LiveRun, outcome: _Outcome) -> None:
         run_id = live.state.record.run_id

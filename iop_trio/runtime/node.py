@@ -26,7 +26,7 @@ from .. import __version__
 from ..adapters.base import Adapter, Capabilities
 from .gate import Gate
 from .lifecycle import RunEvent, RunRecord
-from .manager import RunManager, TargetSpec
+from .manager import RunManager, TargetSpec, notify
 
 if TYPE_CHECKING:  # the store package imports the lifecycle from here
     from ..store.base import RunStore
@@ -153,12 +153,8 @@ class Node:
     async def _tell_listeners(self, events: Sequence[RunEvent]) -> None:
         for event in events:
             record = await self.store.get(event.run_id)
-            for listener in self.event_listeners:
-                if record is not None:
-                    try:
-                        listener(event, record)
-                    except Exception:
-                        log.exception("event listener %r failed", listener)
+            if record is not None:
+                notify(self.event_listeners, event, record)
 
     @property
     def manager(self) -> RunManager:
