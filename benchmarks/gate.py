@@ -23,8 +23,9 @@ from pathlib import Path
 
 import trio
 
-from iop_trio.adapters import EchoAdapter
+from iop_trio.adapters.echo import EchoAdapter
 from iop_trio.runtime import Node, RunSpec, RuntimeLimits, TargetSpec
+from iop_trio.store.memory import MemoryStore
 
 
 def make_node(limit: int, max_queued: int) -> Node:
@@ -33,6 +34,7 @@ def make_node(limit: int, max_queued: int) -> Node:
         adapters=[EchoAdapter()],
         targets=[TargetSpec("echo", "m", concurrency=limit)],
         limits=RuntimeLimits(concurrency=limit, max_queued=max_queued, queue_timeout=3600),
+        store=MemoryStore(),
     )
 
 

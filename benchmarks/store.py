@@ -25,8 +25,11 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from iop_trio.runtime.lifecycle import RunState, RunStatus
-from iop_trio.store import MemoryStore, RunStore, SqliteStore
+from iop_trio.lifecycle import RunState
+from iop_trio.model import RunStatus
+from iop_trio.store import RunStore
+from iop_trio.store.memory import MemoryStore
+from iop_trio.store.sqlite import SqliteStore
 
 
 async def running_run(store: RunStore, run_id: str) -> RunState:

@@ -3,7 +3,7 @@
     python benchmarks/wire.py [--runs N] [--concurrency C] [--latency-runs N] [--cancels N]
 
 An Edge and a Node (EchoAdapter, no delay, MemoryStore) are connected by a
-NodeClient on 127.0.0.1, as in tests/test_wire.py. Printed figures:
+NodeLink on 127.0.0.1, as in tests/test_wire.py. Printed figures:
 
 1. Runs per second and per-run latency p50/p99 for N runs submitted with
    ``edge.run(RunSpec(...))`` and followed to their terminal event, C runs in
@@ -57,12 +57,13 @@ from trio_websocket import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from iop_trio.adapters import EchoAdapter
+from iop_trio.adapters.echo import EchoAdapter
 from iop_trio.edge import Edge
 from iop_trio.protocol import ProtoConnection, Role, pb
 from iop_trio.protocol.convert import event_to_pb, request_from_spec
 from iop_trio.runtime import EventKind, Node, RunSpec, RuntimeLimits, TargetSpec
-from iop_trio.transport import Backoff, NodeClient, ProtoSession
+from iop_trio.store.memory import MemoryStore
+from iop_trio.transport import Backoff, NodeLink, ProtoSession
 
 TOKEN = "bench"
 PROMPT = "the quick brown fox"  # four words: four deltas
@@ -136,7 +137,7 @@ async def in_flight(
 class Stack:
     edge: Edge
     node: Node
-    client: NodeClient
+    client: NodeLink
     edge_session: ProtoSession  # the edge's end of the node's session
     node_session: ProtoSession  # the node's end
 
@@ -152,6 +153,7 @@ def make_node(concurrency: int, max_queued: int) -> Node:
         limits=RuntimeLimits(
             concurrency=2 * concurrency, max_queued=max_queued, queue_timeout=3600
         ),
+        store=MemoryStore(),
     )
 
 
@@ -163,7 +165,7 @@ async def proto_stack(concurrency: int, max_queued: int) -> AsyncIterator[Stack]
     async with trio.open_nursery() as nursery:
         await nursery.start(edge.serve)
         async with node.running(), trio.open_nursery() as client_nursery:
-            client = NodeClient(
+            client = NodeLink(
                 node, edge.node_url, token=TOKEN, backoff=Backoff(initial=0.01, maximum=0.05)
             )
             client_nursery.start_soon(client.run)

@@ -31,13 +31,13 @@ import trio
 from . import __version__
 from .config import ConfigError, NodeConfig, load_config
 from .httpserver import serve_http
+from .lifecycle import RunState
 from .logs import setup_logging
 from .metrics import NodeMetrics
+from .model import RunEvent, RunRecord, RunSpec, RunStatus
 from .ops import ops_routes, record_json
-from .runtime.lifecycle import EventKind, RunEvent, RunRecord, RunStatus
-from .runtime.manager import RunSpec
-from .runtime.node import Node
-from .store.base import RunStore, StoreError
+from .runtime import Node
+from .store import RunStore, StoreError
 
 log = logging.getLogger("iop_trio.node")
 
@@ -165,8 +165,7 @@ async def serve(
     ``runtime.drain_timeout`` seconds and cancels the rest (status recorded);
     a second signal cancels everything at once.
     """
-    from .transport.client import Backoff, NodeClient
-    from .transport.session import SessionSettings
+    from .transport import Backoff, NodeLink, SessionSettings
 
     lock = StoreLock(config.store.path) if config.store.kind == "sqlite" else None
     if lock is not None:
@@ -190,9 +189,9 @@ async def serve(
                 log.info("metrics on http://%s:%d/metrics", host, bound)
                 if lock is not None:
                     lock.note(f"http://{host}:{bound}")
-            client: NodeClient | None = None
+            client: NodeLink | None = None
             if config.edge.url:
-                client = NodeClient(
+                client = NodeLink(
                     node,
                     config.edge.url,
                     token=config.edge_token(),
@@ -343,11 +342,9 @@ async def runs_cancel(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -
         if record.status.terminal:
             out.write(f"{ns.run_id}: already {record.status.value}\n")
             return 0
-        event = RunEvent(
-            ns.run_id,
-            record.last_seq + 1,
-            EventKind.CANCELLED,
-            time.time(),
+        event = RunState(record).transition(
+            RunStatus.CANCELLED,
+            time=time.time(),
             reason=ns.reason,
             message="cancelled from the command line while no node was running",
         )
@@ -387,9 +384,22 @@ async def _cancel_via_node(config: NodeConfig, ns: argparse.Namespace, out: Text
 # --- submit ---------------------------------------------------------------------------------
 
 
+def options_from_pairs(pairs: Sequence[str]) -> dict[str, Any]:
+    """``["temperature=0.2", "stop=[\\"x\\"]"]`` -> dict; values parse as JSON, else stay text."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"option {pair!r} is not key=value")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
 async def submit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from .transport.runner_client import open_runner, options_from_pairs
-    from .transport.session import RemoteError, SessionClosed
+    from .transport import RemoteError, SessionClosed, open_runner
 
     try:
         options = options_from_pairs(ns.option or [])
@@ -440,9 +450,10 @@ async def demo(ns: argparse.Namespace, out: TextIO) -> int:
     """An edge and a node with echo targets in one process, on loopback, until Ctrl-C."""
     from .adapters.echo import EchoAdapter
     from .edge import Edge
-    from .runtime.manager import TargetSpec
-    from .runtime.node import AdapterSlot, RuntimeLimits
-    from .transport.client import NodeClient
+    from .model import TargetSpec
+    from .runtime import AdapterSlot, RuntimeLimits
+    from .store.memory import MemoryStore
+    from .transport import NodeLink
 
     edge = Edge(token=DEMO_TOKEN, edge_id="demo-edge")
     node = Node(
@@ -453,6 +464,7 @@ async def demo(ns: argparse.Namespace, out: TextIO) -> int:
             TargetSpec("echo", "fast", concurrency=4, params={"delay": 0.0}),
         ],
         limits=RuntimeLimits(concurrency=4, max_queued=100, queue_timeout=30),
+        store=MemoryStore(),
     )
     async with trio.open_nursery() as nursery:
         try:
@@ -460,7 +472,7 @@ async def demo(ns: argparse.Namespace, out: TextIO) -> int:
         except OSError as exc:
             raise CliError(f"cannot listen on 127.0.0.1:{ns.port}: {exc.strerror}") from None
         async with node.running():
-            client = NodeClient(node, edge.node_url, token=DEMO_TOKEN)
+            client = NodeLink(node, edge.node_url, token=DEMO_TOKEN)
             nursery.start_soon(client.run)
             handle = await edge.wait_for_node("demo-node")
             out.write(
@@ -580,11 +592,14 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
 
 def check_config(config: NodeConfig, out: TextIO) -> int:
     """Build everything the config describes (nothing is started) and summarise it."""
+    from .store.memory import MemoryStore
+
     node = Node(
         node_id=config.node_id,
         adapters=config.build_adapters(),
         targets=config.target_specs(),
         limits=config.limits(),
+        store=MemoryStore(),  # the configured store is not opened
     )
     config.edge_token()
     limits = node.limits()

@@ -28,8 +28,8 @@ import yaml
 
 from .adapters.base import Adapter
 from .adapters.registry import AdapterRegistry, default_registry
-from .runtime.manager import TargetSpec
-from .runtime.node import AdapterSlot, RuntimeLimits
+from .model import TargetSpec
+from .runtime import AdapterSlot, RuntimeLimits
 
 ENV_PREFIX = "IOP_"
 T = TypeVar("T")

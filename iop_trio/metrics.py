@@ -39,18 +39,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING
 
 import attrs
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from .httpserver import HttpRequest, HttpResponse, Route
+from .model import EventKind, RejectReason, RunEvent, RunRecord, RunStatus
+from .runtime import Node
 from .runtime.gate import LimiterStats
-from .runtime.lifecycle import EventKind, RejectReason, RunEvent, RunRecord, RunStatus
-
-if TYPE_CHECKING:
-    from .runtime.node import Node
 
 log = logging.getLogger(__name__)
 

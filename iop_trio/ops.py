@@ -19,9 +19,8 @@ import attrs
 
 from .httpserver import HttpRequest, HttpResponse, Route
 from .metrics import NodeMetrics
-from .runtime.lifecycle import RunRecord
-from .runtime.manager import UnknownRun
-from .runtime.node import Node
+from .model import RunRecord, UnknownRun
+from .runtime import Node
 
 
 def record_json(record: RunRecord) -> dict[str, Any]:

@@ -42,6 +42,7 @@ import trio
 
 from iop_trio.adapters.base import Adapter, AdapterError, AdapterRequest, Chunk
 from iop_trio.runtime import Node, RunEvent, RunRecord, RunSpec, TargetSpec
+from iop_trio.store.memory import MemoryStore
 
 Ending = Literal["finish", "abort", "reset", "hang"]
 NDJSON = "application/x-ndjson"
@@ -511,7 +512,7 @@ def make_node(
 ) -> Node:
     """A node with one target ``{adapter.name}/{model}``."""
     target = TargetSpec(adapter.name, model, concurrency=concurrency, params=dict(params or {}))
-    return Node(node_id="test", adapters=[adapter], targets=[target])
+    return Node(node_id="test", adapters=[adapter], targets=[target], store=MemoryStore())
 
 
 WAIT = 10.0  # seconds a helper waits for a run before the test fails

@@ -18,10 +18,10 @@ from iop_trio.adapters import (
     AdapterRequest,
     Completion,
     Delta,
-    OllamaAdapter,
     default_registry,
 )
 from iop_trio.adapters._http import LineSplitter, transport_error
+from iop_trio.adapters.ollama import OllamaAdapter
 from iop_trio.runtime import EventKind, RunSpec, RunStatus, Usage
 
 from .engines import (

@@ -20,10 +20,10 @@ from iop_trio.adapters import (
     AdapterRequest,
     Completion,
     Delta,
-    OpenAIAdapter,
     default_registry,
 )
 from iop_trio.adapters._http import SSEDecoder, SSEEvent
+from iop_trio.adapters.openai import OpenAIAdapter
 from iop_trio.runtime import EventKind, RunSpec, RunStatus, Usage
 
 from .engines import (

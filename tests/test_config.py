@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 import yaml
 
-from iop_trio.adapters import EchoAdapter, OllamaAdapter, OpenAIAdapter
+from iop_trio.adapters.echo import EchoAdapter
+from iop_trio.adapters.ollama import OllamaAdapter
+from iop_trio.adapters.openai import OpenAIAdapter
 from iop_trio.config import ConfigError, apply_env, load_config, structure_config
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "node.yaml"

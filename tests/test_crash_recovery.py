@@ -18,9 +18,9 @@ from pathlib import Path
 import attrs
 import trio
 
-from iop_trio.adapters import EchoAdapter
+from iop_trio.adapters.echo import EchoAdapter
 from iop_trio.runtime import EventKind, Node, RunStatus
-from iop_trio.store import SqliteStore
+from iop_trio.store.sqlite import SqliteStore
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = Path(__file__).resolve().parent / "procs" / "crashy_node.py"

@@ -36,7 +36,7 @@ from iop_trio.runtime import (
     RuntimeLimits,
     TargetSpec,
 )
-from iop_trio.store import MemoryStore
+from iop_trio.store.memory import MemoryStore
 
 from .support import ScriptedAdapter
 

@@ -1,14 +1,13 @@
 import pytest
 
-from iop_trio.runtime.lifecycle import (
+from iop_trio.lifecycle import (
     TRANSITIONS,
-    EventKind,
     IllegalTransition,
     RunState,
-    RunStatus,
     check_transition,
-    interruption,
+    fold,
 )
+from iop_trio.model import EventKind, RunStatus
 
 ALLOWED = {
     (None, RunStatus.QUEUED),
@@ -91,7 +90,7 @@ def test_rejected_needs_a_known_reason():
     )
 
 
-def test_apply_refuses_a_gap_in_seq():
+def test_fold_refuses_a_gap_in_seq():
     state, _ = make()
     state.transition(RunStatus.RUNNING, time=2.0)
     other, _ = make()
@@ -99,13 +98,13 @@ def test_apply_refuses_a_gap_in_seq():
     other.delta("x", time=2.0)
     late = other.delta("y", time=2.0)
     with pytest.raises(ValueError, match="seq 4 after 2"):
-        state.record.apply(late)
+        fold(state.record, late)
 
 
 def test_interruption_only_for_live_runs():
     state, _ = make()
-    event = interruption(state.record, time=5.0, message="restart")
+    event = state.interrupt(time=5.0, message="restart")
     assert (event.seq, event.kind, event.reason) == (2, EventKind.INTERRUPTED, "node_restart")
-    state.record.apply(event)
+    assert (state.status, state.record.last_seq) == (RunStatus.INTERRUPTED, 2)
     with pytest.raises(IllegalTransition):
-        interruption(state.record, time=6.0, message="again")
+        state.interrupt(time=6.0, message="again")

@@ -12,7 +12,7 @@ import trio
 import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
-from iop_trio.adapters import EchoAdapter
+from iop_trio.adapters.echo import EchoAdapter
 from iop_trio.httpserver import serve_http
 from iop_trio.metrics import (
     CONTENT_TYPE,
@@ -34,6 +34,7 @@ from iop_trio.runtime import (
     TargetSpec,
     Usage,
 )
+from iop_trio.store.memory import MemoryStore
 
 from .support import ScriptedAdapter, logged
 
@@ -127,6 +128,7 @@ def scripted_node(
             TargetSpec("scripted", "b", concurrency=b_limit),
         ],
         limits=RuntimeLimits(concurrency=8, max_queued=max_queued, queue_timeout=queue_timeout),
+        store=MemoryStore(),
     )
     return node, adapter
 
@@ -136,7 +138,8 @@ def echo_node(**limits: object) -> Node:
         node_id="e1",
         adapters=[EchoAdapter()],
         targets=[TargetSpec("echo", "a", concurrency=2), TargetSpec("echo", "b", concurrency=1)],
-        limits=RuntimeLimits(**limits),  # type: ignore[arg-type]
+        limits=RuntimeLimits(**limits),  # type: ignore[arg-type],
+        store=MemoryStore(),
     )
 
 

@@ -8,7 +8,8 @@ import pytest
 import trio
 import trio.testing
 
-from iop_trio.adapters import AdapterError, EchoAdapter
+from iop_trio.adapters import AdapterError
+from iop_trio.adapters.echo import EchoAdapter
 from iop_trio.runtime import (
     AdapterSlot,
     EventKind,
@@ -23,7 +24,7 @@ from iop_trio.runtime import (
     UnknownRun,
     UnknownTarget,
 )
-from iop_trio.store import MemoryStore
+from iop_trio.store.memory import MemoryStore
 
 from .support import ScriptedAdapter
 
@@ -322,10 +323,12 @@ async def test_limit_zero_pauses_a_target(node_and_adapter):
 async def test_set_limits_checks_everything_first(node_and_adapter):
     node, _ = node_and_adapter
     before = node.limits()
-    with pytest.raises(KeyError, match="target 'nope/x'"):
+    with pytest.raises(InvalidRequest, match="target 'nope/x'"):
         node.set_limits(concurrency=1, targets={"nope/x": 1})
-    with pytest.raises(ValueError, match="must be an integer"):
+    with pytest.raises(InvalidRequest, match="must be an integer"):
         node.set_limits(concurrency=2, targets={A: -1})
+    with pytest.raises(InvalidRequest, match="not True"):  # a bool is not a limit
+        node.set_limits(concurrency=True)
     assert node.limits() == before
 
 
@@ -510,6 +513,7 @@ async def test_a_buggy_adapter_fails_its_run_and_the_node_goes_on():
         node_id="t",
         adapters=[adapter, echo],
         targets=[TargetSpec("broken", "m"), TargetSpec("echo", "m")],
+        store=MemoryStore(),
     )
     async with node.running():
         bad = (await node.manager.submit(RunSpec("broken/m", "p"))).record.run_id
@@ -524,7 +528,12 @@ async def test_a_buggy_adapter_fails_its_run_and_the_node_goes_on():
 
 async def test_echo_streams_words_and_can_fail(autojump_clock):
     echo = EchoAdapter(delay=0.5)
-    node = Node(node_id="t", adapters=[echo], targets=[TargetSpec("echo", "m", concurrency=4)])
+    node = Node(
+        node_id="t",
+        adapters=[echo],
+        targets=[TargetSpec("echo", "m", concurrency=4)],
+        store=MemoryStore(),
+    )
     async with node.running():
         ok = (await node.manager.submit(RunSpec("echo/m", "one two  three"))).record.run_id
         bad = (
@@ -550,16 +559,25 @@ async def test_echo_streams_words_and_can_fail(autojump_clock):
 
 def test_bad_node_config_is_refused():
     with pytest.raises(ValueError, match="adapter 'nope'"):
-        Node(node_id="t", adapters=[EchoAdapter()], targets=[TargetSpec("nope", "m")])
+        Node(
+            node_id="t",
+            adapters=[EchoAdapter()],
+            targets=[TargetSpec("nope", "m")],
+            store=MemoryStore(),
+        )
     with pytest.raises(ValueError, match="configured twice"):
         Node(
             node_id="t",
             adapters=[EchoAdapter()],
             targets=[TargetSpec("echo", "m"), TargetSpec("echo", "m")],
+            store=MemoryStore(),
         )
     with pytest.raises(ValueError, match="concurrency"):
         Node(
-            node_id="t", adapters=[EchoAdapter()], targets=[TargetSpec("echo", "m", concurrency=-1)]
+            node_id="t",
+            adapters=[EchoAdapter()],
+            targets=[TargetSpec("echo", "m", concurrency=-1)],
+            store=MemoryStore(),
         )
 
 
@@ -568,7 +586,7 @@ def test_adapter_error_repr():
 
 
 async def test_run_options_merge_into_profile_params_one_level_deep():
-    from iop_trio.runtime.manager import overlay
+    from iop_trio.model import overlay
 
     profile = {"options": {"num_ctx": 8192, "temperature": 0.7}, "keep_alive": "5m"}
     run = {"options": {"temperature": 0.0}, "seed": 1}
@@ -602,7 +620,12 @@ class ChattyAdapter(ScriptedAdapter):
 
 
 async def test_the_first_completion_ends_the_run():
-    node = Node(node_id="t", adapters=[ChattyAdapter(name="c")], targets=[TargetSpec("c", "m")])
+    node = Node(
+        node_id="t",
+        adapters=[ChattyAdapter(name="c")],
+        targets=[TargetSpec("c", "m")],
+        store=MemoryStore(),
+    )
     async with node.running():
         run_id = (await node.manager.submit(RunSpec("c/m", "p"))).record.run_id
         await node.manager.wait_idle()

@@ -13,9 +13,12 @@ import pytest
 import trio
 import trio.testing
 
+from iop_trio.lifecycle import RunState
+from iop_trio.model import EventKind, RunEvent, RunStatus
 from iop_trio.runtime import Usage
-from iop_trio.runtime.lifecycle import EventKind, RunEvent, RunState, RunStatus
-from iop_trio.store import MemoryStore, RunStore, SqliteStore, StoreError
+from iop_trio.store import RunStore, StoreError
+from iop_trio.store.memory import MemoryStore
+from iop_trio.store.sqlite import SqliteStore
 
 STORES = ["memory", "sqlite"]
 

@@ -21,10 +21,12 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from iop_trio.lifecycle import RunState
+from iop_trio.model import EventKind, RunEvent, RunRecord, RunStatus
 from iop_trio.runtime import Usage
-from iop_trio.runtime.lifecycle import EventKind, RunEvent, RunRecord, RunState, RunStatus
-from iop_trio.store import MemoryStore, RunStore, SqliteStore, StoreError
-from iop_trio.store.sqlite import SCHEMA_VERSION
+from iop_trio.store import RunStore, StoreError
+from iop_trio.store.memory import MemoryStore
+from iop_trio.store.sqlite import SCHEMA_VERSION, SqliteStore
 
 from .test_store_contract import created, finished, new_run, running, seqs
 

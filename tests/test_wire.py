@@ -19,18 +19,19 @@ from trio_websocket import (
     serve_websocket,
 )
 
-from iop_trio.adapters import EchoAdapter
+from iop_trio.adapters.echo import EchoAdapter
 from iop_trio.edge import Edge, NodeHandle
 from iop_trio.protocol import ProtoConnection, Reply, Request, Role, pb
 from iop_trio.runtime import EventKind, Node, RunSpec, RunStatus, RuntimeLimits, TargetSpec
+from iop_trio.store.memory import MemoryStore
 from iop_trio.transport import (
     Backoff,
-    NodeClient,
+    NodeLink,
     RemoteError,
     SessionSettings,
     open_runner,
 )
-from iop_trio.transport.server import bearer_header
+from iop_trio.transport.auth import bearer_header
 
 from .support import CountingEcho
 
@@ -42,7 +43,7 @@ FAST = Backoff(initial=0.01, maximum=0.05, stable_after=0.5)
 class Stack:
     edge: Edge
     node: Node
-    client: NodeClient
+    client: NodeLink
     handle: NodeHandle
     nursery: trio.Nursery
 
@@ -56,7 +57,7 @@ async def stack(
         async with trio.open_nursery() as nursery:
             await nursery.start(edge.serve)
             async with node.running(), trio.open_nursery() as client_nursery:
-                client = NodeClient(node, edge.node_url, token=TOKEN, backoff=FAST)
+                client = NodeLink(node, edge.node_url, token=TOKEN, backoff=FAST)
                 client_nursery.start_soon(client.run)
                 handle = await edge.wait_for_node(node.node_id)
                 await client.wait_connected()
@@ -70,7 +71,8 @@ def echo_node(*targets: tuple[str, int], delay: float = 0.0, **limits: object) -
         node_id="n1",
         adapters=[CountingEcho(delay=delay)],
         targets=[TargetSpec("echo", model, concurrency=limit) for model, limit in targets],
-        limits=RuntimeLimits(**limits),  # type: ignore[arg-type]
+        limits=RuntimeLimits(**limits),  # type: ignore[arg-type],
+        store=MemoryStore(),
     )
 
 
@@ -217,7 +219,7 @@ async def test_wrong_token_is_refused_with_401_and_the_node_keeps_trying():
                     pass
             assert caught.value.status_code == 401
             async with node.running():
-                client = NodeClient(node, edge.node_url, token="wrong", backoff=FAST)
+                client = NodeLink(node, edge.node_url, token="wrong", backoff=FAST)
                 nursery.start_soon(client.run)
                 await client.wait_attempts(3)
                 assert "401" in client.last_error and "token" in client.last_error
@@ -321,7 +323,7 @@ async def test_fuzzed_frames_to_the_node_get_errors_and_it_keeps_serving(frames)
                 )
             )
             async with node.running():
-                client = NodeClient(node, f"ws://127.0.0.1:{port.port}/node", backoff=FAST)
+                client = NodeLink(node, f"ws://127.0.0.1:{port.port}/node", backoff=FAST)
                 nursery.start_soon(client.run)
                 await done.wait()
                 assert seen["text"] == "ok"
@@ -355,7 +357,7 @@ async def test_heartbeat_ends_a_session_whose_peer_stopped_answering():
                 )
             )
             async with node.running():
-                client = NodeClient(
+                client = NodeLink(
                     node,
                     f"ws://127.0.0.1:{server.port}/node",
                     settings=settings,
@@ -375,7 +377,7 @@ async def test_the_node_reconnects_when_the_edge_comes_back():
         async with trio.open_nursery() as nursery, node.running():
             async with trio.open_nursery() as edge_nursery:
                 port = await edge_nursery.start(edge.serve)
-                client = NodeClient(node, edge.node_url, token=TOKEN, backoff=FAST)
+                client = NodeLink(node, edge.node_url, token=TOKEN, backoff=FAST)
                 nursery.start_soon(client.run)
                 await edge.wait_for_node("n1")
                 edge_nursery.cancel_scope.cancel()  # the edge goes down
@@ -403,7 +405,12 @@ def test_backoff_is_jittered_exponential_and_capped():
 
 async def test_echo_is_available_without_the_counting_wrapper():
     # the plain echo adapter behind the edge (what `make run` serves)
-    node = Node(node_id="n1", adapters=[EchoAdapter()], targets=[TargetSpec("echo", "m")])
+    node = Node(
+        node_id="n1",
+        adapters=[EchoAdapter()],
+        targets=[TargetSpec("echo", "m")],
+        store=MemoryStore(),
+    )
     async with stack(node) as s:
         async with s.edge.run(RunSpec("echo/m", "plain")) as stream:
             text, last = await stream.collect()

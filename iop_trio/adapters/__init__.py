@@ -1,18 +1,13 @@
-"""Adapters: the engines a node runs on."""
+"""Adapters: the engines a node runs on.
 
-from .base import (
-    Adapter,
-    AdapterError,
-    AdapterRequest,
-    Capabilities,
-    Chunk,
-    Completion,
-    Delta,
-    Usage,
-)
-from .echo import EchoAdapter
-from .ollama import OllamaAdapter
-from .openai import OpenAIAdapter
+The package exports the adapter contract and the registry of kinds; the
+adapters themselves are imported from their modules:
+:mod:`~iop_trio.adapters.echo`, :mod:`~iop_trio.adapters.ollama`,
+:mod:`~iop_trio.adapters.openai`.
+"""
+
+from ..model import Capabilities, Usage
+from .base import Adapter, AdapterError, AdapterRequest, Chunk, Completion, Delta
 from .registry import AdapterRegistry, default_registry
 
 __all__ = [
@@ -24,9 +19,6 @@ __all__ = [
     "Chunk",
     "Completion",
     "Delta",
-    "EchoAdapter",
-    "OllamaAdapter",
-    "OpenAIAdapter",
     "Usage",
     "default_registry",
 ]

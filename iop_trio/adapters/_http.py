@@ -36,7 +36,8 @@ import attrs
 import httpx
 import trio
 
-from .base import Adapter, AdapterError, AdapterRequest, Capabilities, Chunk
+from ..model import Capabilities
+from .base import Adapter, AdapterError, AdapterRequest, Chunk
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_READ_TIMEOUT = 300.0

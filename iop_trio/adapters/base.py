@@ -18,23 +18,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-
-@attrs.frozen
-class Usage:
-    """What the engine reported at the end of a run (fields it did not report are None)."""
-
-    done_reason: str = ""
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-
-
-@attrs.frozen
-class Capabilities:
-    """What an adapter can do. ``max_concurrency`` None = no bound of its own."""
-
-    max_concurrency: int | None = None
-    streaming: bool = True
-    chat: bool = True
+from ..model import Capabilities, Usage
 
 
 @attrs.frozen

@@ -20,16 +20,8 @@ from typing import Any
 
 import trio
 
-from .base import (
-    Adapter,
-    AdapterError,
-    AdapterRequest,
-    Capabilities,
-    Chunk,
-    Completion,
-    Delta,
-    Usage,
-)
+from ..model import Capabilities, Usage
+from .base import Adapter, AdapterError, AdapterRequest, Chunk, Completion, Delta
 
 _WORD = re.compile(r"\S+\s*|\s+")
 

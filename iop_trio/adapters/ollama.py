@@ -37,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from ..model import Usage
 from ._http import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_READ_TIMEOUT,
@@ -50,14 +51,7 @@ from ._http import (
     parse_json,
     quote,
 )
-from .base import (
-    AdapterError,
-    AdapterRequest,
-    Chunk,
-    Completion,
-    Delta,
-    Usage,
-)
+from .base import AdapterError, AdapterRequest, Chunk, Completion, Delta
 
 #: Params that go into Ollama's ``options`` (its model parameters).
 OPTION_KEYS = frozenset(

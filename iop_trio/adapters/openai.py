@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from ..model import Usage
 from ._http import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_READ_TIMEOUT,
@@ -49,14 +50,7 @@ from ._http import (
     parse_json,
     quote,
 )
-from .base import (
-    AdapterError,
-    AdapterRequest,
-    Chunk,
-    Completion,
-    Delta,
-    Usage,
-)
+from .base import AdapterError, AdapterRequest, Chunk, Completion, Delta
 
 #: Params sent at the top level of the body as they are.
 PARAM_KEYS = (

@@ -24,9 +24,9 @@ from contextlib import asynccontextmanager, suppress
 import trio
 from trio_websocket import WebSocketConnection
 
+from ..model import RunSpec
 from ..protocol import Request, Role, pb
-from ..runtime.manager import RunSpec
-from ..transport.runner_client import RunnerClient, RunStream
+from ..transport.caller import RunnerClient, RunStream
 from ..transport.server import serve_proto
 from ..transport.session import ProtoSession, RemoteError, SessionClosed, SessionSettings
 

@@ -17,19 +17,27 @@ A frame that cannot be decoded, has no body, carries a body this side does
 not serve, or answers a request with the wrong body raises
 :class:`ProtocolError`; the connection stays usable and the shell answers
 with :meth:`ProtoConnection.error`.
+
+The table of pending requests is the only one: each entry keeps the
+``waiter`` the shell gave :meth:`ProtoConnection.request` (whatever it
+delivers replies to), and every answer comes back with it.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
+from typing import Generic, TypeVar
 
 import attrs
 from google.protobuf.message import DecodeError, Message
 
 from .._gen.iop import runtime_pb2 as pb
+from .convert import TERMINAL_KINDS_PB, TERMINAL_STATUSES_PB
 
 MAX_NONCE = 2**64 - 1
+
+W = TypeVar("W")
 
 # which bodies each side serves as requests
 RUNNER_REQUESTS = frozenset(
@@ -47,25 +55,6 @@ ANSWERS: Mapping[str, str] = {
     "set_limits": "limits",
     "ping": "pong",
 }
-
-_TERMINAL_EVENT_KINDS = frozenset(
-    {
-        pb.EVENT_KIND_SUCCEEDED,
-        pb.EVENT_KIND_FAILED,
-        pb.EVENT_KIND_CANCELLED,
-        pb.EVENT_KIND_REJECTED,
-        pb.EVENT_KIND_INTERRUPTED,
-    }
-)
-_TERMINAL_STATUSES = frozenset(
-    {
-        pb.RUN_STATUS_SUCCEEDED,
-        pb.RUN_STATUS_FAILED,
-        pb.RUN_STATUS_CANCELLED,
-        pb.RUN_STATUS_REJECTED,
-        pb.RUN_STATUS_INTERRUPTED,
-    }
-)
 
 
 class Role(enum.Enum):
@@ -93,15 +82,25 @@ class ProtocolError(Exception):
 
     ``reply_to`` is the peer's offending nonce to answer (0 if none);
     ``broken`` is the nonce of our own request whose exchange it ended (0 if
-    none): that request is no longer pending and its waiter should be failed.
+    none): that request is no longer pending, and ``waiter`` (its waiter) should
+    be failed.
     """
 
-    def __init__(self, code: int, message: str, *, reply_to: int = 0, broken: int = 0) -> None:
+    def __init__(
+        self,
+        code: int,
+        message: str,
+        *,
+        reply_to: int = 0,
+        broken: int = 0,
+        waiter: object = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.reply_to = reply_to
         self.broken = broken
+        self.waiter = waiter
 
     def __repr__(self) -> str:
         name = pb.ErrorCode.Name(self.code)
@@ -118,13 +117,14 @@ class Request:
 
 
 @attrs.frozen
-class Reply:
-    """An answer to one of our requests. ``final`` = the exchange is over."""
+class Reply(Generic[W]):
+    """An answer to one of our requests, for its ``waiter``. ``final`` = the exchange is over."""
 
     reply_to: int
     kind: str
     message: Message
     final: bool
+    waiter: W | None = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen
@@ -146,13 +146,14 @@ class StaleReply:
     kind: str
 
 
-Incoming = Request | Reply | StaleReply | PeerError
+Incoming = Request | Reply[W] | StaleReply | PeerError
 
 
 @attrs.define
-class _Pending:
+class _Pending(Generic[W]):
     kind: str
     stream: bool
+    waiter: W | None
     answered: bool = False
 
 
@@ -178,13 +179,16 @@ def decode(data: bytes | bytearray | str) -> pb.Envelope:
     return envelope
 
 
-class ProtoConnection:
-    """One side of a proto-socket; see the module docstring."""
+class ProtoConnection(Generic[W]):
+    """One side of a proto-socket; see the module docstring.
+
+    ``W`` is the type of the waiters the shell registers with its requests.
+    """
 
     def __init__(self, role: Role) -> None:
         self.role = role
         self._next_nonce = 1
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, _Pending[W]] = {}
 
     def __repr__(self) -> str:
         return f"<ProtoConnection {self.role.value} pending={len(self._pending)}>"
@@ -203,11 +207,12 @@ class ProtoConnection:
             if nonce not in self._pending:
                 return nonce
 
-    def request(self, kind: str, message: Message) -> tuple[int, bytes]:
+    def request(self, kind: str, message: Message, waiter: W | None = None) -> tuple[int, bytes]:
         """A new request; returns its nonce and the frame.
 
         ``run_request`` and ``get_run`` with ``follow`` open a stream of
-        replies; every other request expects one reply.
+        replies; every other request expects one reply. Each reply carries
+        ``waiter``.
         """
         if kind not in ANSWERS:
             raise ValueError(f"{kind!r} is not a request")
@@ -218,18 +223,18 @@ class ProtoConnection:
             kind == "get_run" and isinstance(message, pb.GetRun) and message.follow
         )
         frame = encode(envelope)
-        self._pending[nonce] = _Pending(kind, stream)
+        self._pending[nonce] = _Pending(kind, stream, waiter)
         return nonce, frame
 
     def forget(self, nonce: int) -> None:
         """Stop waiting for answers to ``nonce`` (later ones become StaleReply)."""
         self._pending.pop(nonce, None)
 
-    def forget_all(self) -> list[int]:
-        """Drop every pending request (the connection is gone); returns their nonces."""
-        nonces = list(self._pending)
+    def forget_all(self) -> list[W]:
+        """Drop every pending request (the connection is gone); returns their waiters."""
+        waiters = [p.waiter for p in self._pending.values() if p.waiter is not None]
         self._pending.clear()
-        return nonces
+        return waiters
 
     def reply(self, reply_to: int, kind: str, message: Message) -> bytes:
         """A frame answering the peer's request ``reply_to``."""
@@ -242,7 +247,7 @@ class ProtoConnection:
 
     # --- receiving -----------------------------------------------------------------------
 
-    def receive(self, data: bytes | bytearray | str) -> Incoming:
+    def receive(self, data: bytes | bytearray | str) -> Incoming[W]:
         """Classify one incoming frame; raises ProtocolError for a bad one."""
         envelope = decode(data)
         kind = envelope.WhichOneof("body")
@@ -262,7 +267,7 @@ class ProtoConnection:
             return Request(envelope.nonce, kind, message)
         return self._answer(envelope.reply_to, kind, message)
 
-    def _answer(self, reply_to: int, kind: str, message: Message) -> Reply | StaleReply:
+    def _answer(self, reply_to: int, kind: str, message: Message) -> Reply[W] | StaleReply:
         pending = self._pending.get(reply_to)
         if pending is None:
             return StaleReply(reply_to, kind)
@@ -271,17 +276,18 @@ class ProtoConnection:
         elif not pending.answered and kind == ANSWERS[pending.kind]:
             pending.answered = True
             final = not pending.stream or (
-                isinstance(message, pb.RunInfo) and message.run.status in _TERMINAL_STATUSES
+                isinstance(message, pb.RunInfo) and message.run.status in TERMINAL_STATUSES_PB
             )
         elif pending.answered and pending.stream and isinstance(message, pb.RunEvent):
-            final = message.kind in _TERMINAL_EVENT_KINDS
+            final = message.kind in TERMINAL_KINDS_PB
         else:
             self._pending.pop(reply_to)
             raise ProtocolError(
                 pb.ERROR_CODE_UNEXPECTED,
                 f"{kind!r} does not answer a {pending.kind!r} request here",
                 broken=reply_to,
+                waiter=pending.waiter,
             )
         if final:
             del self._pending[reply_to]
-        return Reply(reply_to, kind, message, final)
+        return Reply(reply_to, kind, message, final, pending.waiter)

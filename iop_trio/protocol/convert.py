@@ -13,9 +13,18 @@ from typing import Any
 from google.protobuf import json_format, struct_pb2
 
 from .._gen.iop import runtime_pb2 as pb
-from ..runtime.lifecycle import EventKind, RunEvent, RunRecord, RunStatus, Usage
-from ..runtime.manager import InvalidRequest, RunSpec
-from ..runtime.node import Limits, NodeInfo
+from ..model import (
+    TERMINAL_STATUSES,
+    EventKind,
+    InvalidRequest,
+    Limits,
+    NodeInfo,
+    RunEvent,
+    RunRecord,
+    RunSpec,
+    RunStatus,
+    Usage,
+)
 
 MAX_PROMPT_CHARS = 4 * 1024 * 1024
 MAX_MESSAGES = 4096
@@ -43,24 +52,29 @@ _KIND_TO_PB: Mapping[EventKind, int] = {
 }
 _KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
 
+#: The wire values of the terminal statuses and event kinds (the model says which those are).
+TERMINAL_STATUSES_PB = frozenset(_STATUS_TO_PB[s] for s in TERMINAL_STATUSES)
+TERMINAL_KINDS_PB = frozenset(_KIND_TO_PB[k] for k in EventKind if k.terminal)
+
 
 def status_to_pb(status: RunStatus) -> pb.RunStatus:
     return _STATUS_TO_PB[status]  # type: ignore[return-value]
 
 
 def status_from_pb(value: int) -> RunStatus:
-    """ValueError for UNSPECIFIED or an unknown number."""
+    """InvalidRequest for UNSPECIFIED or an unknown number."""
     try:
         return _STATUS_FROM_PB[value]
     except KeyError:
-        raise ValueError(f"unknown run status {value}") from None
+        raise InvalidRequest(f"unknown run status {value}") from None
 
 
 def kind_from_pb(value: int) -> EventKind:
+    """InvalidRequest for UNSPECIFIED or an unknown number."""
     try:
         return _KIND_FROM_PB[value]
     except KeyError:
-        raise ValueError(f"unknown event kind {value}") from None
+        raise InvalidRequest(f"unknown event kind {value}") from None
 
 
 def struct_from_dict(values: Mapping[str, Any]) -> struct_pb2.Struct:

@@ -1,29 +1,30 @@
-"""The node runtime: lifecycle, gate, run manager, node. Independent of any transport."""
+"""The node runtime: gate, run manager, node. Independent of any transport.
 
-from .gate import Gate, GateRejected, GateStatistics, Permit, UnknownTarget
-from .lifecycle import (
-    TRANSITIONS,
+The data it works on (:mod:`iop_trio.model`) and the lifecycle rules
+(:mod:`iop_trio.lifecycle`) are re-exported here, so a user of the runtime
+needs one import.
+"""
+
+from ..lifecycle import TRANSITIONS, IllegalTransition, RunState
+from ..model import (
     EventKind,
-    IllegalTransition,
+    InvalidRequest,
+    Limits,
+    NodeInfo,
+    NodeUnavailable,
     RejectReason,
     RunEvent,
     RunRecord,
-    RunState,
-    RunStatus,
-    Usage,
-)
-from .manager import (
-    CancelOutcome,
-    InvalidRequest,
-    NodeUnavailable,
-    RunManager,
     RunSpec,
-    RunWatcher,
-    Submitted,
+    RunStatus,
     TargetSpec,
     UnknownRun,
+    UnknownTarget,
+    Usage,
 )
-from .node import AdapterSlot, Limits, Node, NodeInfo, RuntimeLimits
+from .gate import Gate, GateRejected, GateStatistics, Permit
+from .manager import CancelOutcome, RunManager, RunWatcher, Submitted
+from .node import AdapterSlot, Node, RuntimeLimits
 
 __all__ = [
     "TRANSITIONS",

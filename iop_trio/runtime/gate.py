@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping
 import attrs
 import trio
 
-from .lifecycle import RejectReason
+from ..model import RejectReason, UnknownTarget, check_limit, check_seconds
 
 
 class GateRejected(Exception):
@@ -38,19 +38,6 @@ class GateRejected(Exception):
     def __init__(self, reason: RejectReason, message: str) -> None:
         super().__init__(message)
         self.reason = reason
-
-
-class UnknownTarget(KeyError):
-    """No target of that name is configured."""
-
-    def __str__(self) -> str:
-        return f"unknown target {self.args[0]!r}"
-
-
-def _check_limit(what: str, value: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{what} must be an integer >= 0, not {value!r}")
-    return value
 
 
 @attrs.define(eq=False, repr=False)
@@ -143,10 +130,9 @@ class Gate:
     """
 
     def __init__(self, *, concurrency: int, max_queued: int, queue_timeout: float) -> None:
-        self._global = trio.CapacityLimiter(_check_limit("concurrency", concurrency) or 1)
-        self._global.total_tokens = concurrency
-        self.max_queued = _check_limit("max_queued", max_queued)
-        self.queue_timeout = self._check_timeout(queue_timeout)
+        self._global = trio.CapacityLimiter(check_limit("concurrency", concurrency))
+        self.max_queued = check_limit("max_queued", max_queued)
+        self.queue_timeout = check_seconds("queue_timeout", queue_timeout)
         self._adapters: dict[str, trio.CapacityLimiter] = {}
         self._adapter_caps: dict[str, int | None] = {}
         self._lanes: dict[str, _Lane] = {}
@@ -162,12 +148,6 @@ class Gate:
             f"/{self.max_queued} adapters={len(self._adapters)} targets={len(self._lanes)}>"
         )
 
-    @staticmethod
-    def _check_timeout(value: float) -> float:
-        if not isinstance(value, int | float) or math.isnan(value) or value < 0:
-            raise ValueError(f"queue_timeout must be a number >= 0, not {value!r}")
-        return float(value)
-
     # --- configuration -------------------------------------------------------------------
 
     def add_adapter(
@@ -179,10 +159,9 @@ class Gate:
         if name in self._adapters:
             raise ValueError(f"adapter {name!r} is already registered")
         if max_concurrency is not None:
-            _check_limit(f"adapter {name!r} max_concurrency", max_concurrency)
+            check_limit(f"adapter {name!r} max_concurrency", max_concurrency)
         self._adapter_caps[name] = max_concurrency
-        self._adapters[name] = trio.CapacityLimiter(1)
-        self._adapters[name].total_tokens = self._effective_adapter_limit(name, limit)
+        self._adapters[name] = trio.CapacityLimiter(self._effective_adapter_limit(name, limit))
 
     def add_target(
         self,
@@ -202,25 +181,25 @@ class Gate:
             raise ValueError(f"target {name!r} is already registered")
         if adapter not in self._adapters:
             raise ValueError(f"target {name!r} names unknown adapter {adapter!r}")
-        limiter = trio.CapacityLimiter(1)
-        limiter.total_tokens = _check_limit(f"target {name!r} concurrency", limit)
         self._lanes[name] = _Lane(
             name=name,
             adapter=adapter,
-            target_limiter=limiter,
+            target_limiter=trio.CapacityLimiter(check_limit(f"target {name!r} concurrency", limit)),
             adapter_limiter=self._adapters[adapter],
-            max_queued=None if max_queued is None else _check_limit("max_queued", max_queued),
-            queue_timeout=None if queue_timeout is None else self._check_timeout(queue_timeout),
+            max_queued=None if max_queued is None else check_limit("max_queued", max_queued),
+            queue_timeout=(
+                None if queue_timeout is None else check_seconds("queue_timeout", queue_timeout)
+            ),
         )
 
     def _effective_adapter_limit(self, name: str, limit: int | None) -> int | float:
         if limit is not None:
-            _check_limit(f"adapter {name!r} concurrency", limit)
+            check_limit(f"adapter {name!r} concurrency", limit)
         given = [n for n in (limit, self._adapter_caps[name]) if n is not None]
         return min(given) if given else math.inf
 
     def set_global_limit(self, limit: int) -> None:
-        self._global.total_tokens = _check_limit("concurrency", limit)
+        self._global.total_tokens = check_limit("concurrency", limit)
         self._dispatch()
 
     def set_adapter_limit(self, name: str, limit: int | None) -> int | None:
@@ -239,7 +218,7 @@ class Gate:
 
     def set_target_limit(self, name: str, limit: int) -> None:
         lane = self._lane(name)
-        lane.target_limiter.total_tokens = _check_limit(f"target {name!r} concurrency", limit)
+        lane.target_limiter.total_tokens = check_limit(f"target {name!r} concurrency", limit)
         self._dispatch()
 
     def set_queue(
@@ -251,9 +230,9 @@ class Gate:
         runs that arrive from now on.
         """
         if max_queued is not None:
-            self.max_queued = _check_limit("max_queued", max_queued)
+            self.max_queued = check_limit("max_queued", max_queued)
         if queue_timeout is not None:
-            self.queue_timeout = self._check_timeout(queue_timeout)
+            self.queue_timeout = check_seconds("queue_timeout", queue_timeout)
 
     # --- introspection -------------------------------------------------------------------
 

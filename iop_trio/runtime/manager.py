@@ -23,68 +23,30 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
 from ..adapters.base import Adapter, AdapterError, AdapterRequest, Delta
-from .gate import Gate, GateRejected, UnknownTarget
-from .lifecycle import TRANSITIONS, RunEvent, RunRecord, RunState, RunStatus, Usage
-
-if TYPE_CHECKING:  # the store package imports the lifecycle from here
-    from ..store.base import RunStore
+from ..lifecycle import TRANSITIONS, RunState
+from ..model import (
+    InvalidRequest,
+    NodeUnavailable,
+    RunEvent,
+    RunRecord,
+    RunSpec,
+    RunStatus,
+    TargetSpec,
+    UnknownRun,
+    UnknownTarget,
+    Usage,
+)
+from ..store.base import RunStore
+from .gate import Gate, GateRejected
 
 log = logging.getLogger(__name__)
 
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
-
-
-class NodeUnavailable(Exception):
-    """The node is draining or stopped and admits no new runs."""
-
-
-class UnknownRun(KeyError):
-    def __str__(self) -> str:
-        return f"unknown run {self.args[0]!r}"
-
-
-class InvalidRequest(ValueError):
-    """A run request with bad values (the message says which)."""
-
-
-@attrs.frozen
-class TargetSpec:
-    """A target: an adapter namespace, a model and the profile settings runs get.
-
-    Its name is ``adapter/model``, or ``adapter/model@profile`` when a profile
-    is named, so one model can be served under several profiles.
-    """
-
-    adapter: str
-    model: str
-    profile: str = ""
-    concurrency: int = 1
-    max_queued: int | None = None
-    queue_timeout: float | None = None
-    params: Mapping[str, Any] = attrs.field(factory=dict)
-
-    @property
-    def name(self) -> str:
-        base = f"{self.adapter}/{self.model}"
-        return f"{base}@{self.profile}" if self.profile else base
-
-
-@attrs.frozen
-class RunSpec:
-    """What a caller asks for. ``messages`` (role, content) make a chat run."""
-
-    target: str
-    prompt: str = ""
-    messages: tuple[tuple[str, str], ...] = ()
-    background: bool = False
-    run_id: str | None = None
-    options: Mapping[str, Any] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -207,22 +169,6 @@ def notify(
             listener(event, record)
         except Exception:
             log.exception("event listener %r failed", listener)
-
-
-def overlay(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    """``base`` with ``over`` on top; where both hold a dict under one key, those merge too.
-
-    So a run's ``options={"options": {"temperature": 0}}`` keeps the profile's
-    ``options.num_ctx``.
-    """
-    merged = dict(base)
-    for key, value in over.items():
-        old = merged.get(key)
-        if isinstance(old, Mapping) and isinstance(value, Mapping):
-            merged[key] = overlay(old, value)
-        else:
-            merged[key] = value
-    return merged
 
 
 def _new_run_id() -> str:
@@ -354,7 +300,7 @@ class RunManager:
                 model=target.model,
                 prompt=spec.prompt,
                 messages=spec.messages,
-                params=overlay(target.params, spec.options),
+                params=target.params_for(spec.options),
             )
             return await self._execute(live, self._adapters[target.adapter], request)
 

@@ -3,7 +3,7 @@
 ::
 
     node = Node(node_id="n1", adapters=[AdapterSlot(EchoAdapter())],
-                targets=[TargetSpec("echo", "m", concurrency=2)])
+                targets=[TargetSpec("echo", "m", concurrency=2)], store=MemoryStore())
     async with node.running():
         submitted = await node.manager.submit(RunSpec("echo/m", "hi"))
 
@@ -17,19 +17,26 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
 
 import attrs
 import trio
 
 from .. import __version__
-from ..adapters.base import Adapter, Capabilities
+from ..adapters.base import Adapter
+from ..model import (
+    AdapterInfo,
+    InvalidRequest,
+    Limits,
+    NodeInfo,
+    RunEvent,
+    RunRecord,
+    TargetSpec,
+    check_limit,
+    check_seconds,
+)
+from ..store.base import RunStore
 from .gate import Gate
-from .lifecycle import RunEvent, RunRecord
-from .manager import RunManager, TargetSpec, notify
-
-if TYPE_CHECKING:  # the store package imports the lifecycle from here
-    from ..store.base import RunStore
+from .manager import RunManager, notify
 
 log = logging.getLogger(__name__)
 
@@ -52,36 +59,11 @@ class AdapterSlot:
     concurrency: int | None = None
 
 
-@attrs.frozen
-class AdapterInfo:
-    name: str
-    kind: str
-    concurrency: int | None  # in force; None = unbounded
-    capabilities: Capabilities
-
-
-@attrs.frozen
-class Limits:
-    """The limits in force. An adapter mapped to None has no bound of its own."""
-
-    concurrency: int
-    max_queued: int
-    queue_timeout: float
-    adapters: Mapping[str, int | None]
-    targets: Mapping[str, int]
-
-
-@attrs.frozen
-class NodeInfo:
-    node_id: str
-    version: str
-    targets: tuple[TargetSpec, ...]
-    adapters: tuple[AdapterInfo, ...]
-    limits: Limits
-
-
 class Node:
-    """One inference node. Configuration errors raise ValueError from the constructor."""
+    """One inference node, keeping its runs in ``store``.
+
+    Configuration errors raise ValueError from the constructor.
+    """
 
     def __init__(
         self,
@@ -89,17 +71,13 @@ class Node:
         node_id: str,
         adapters: Sequence[AdapterSlot | Adapter],
         targets: Sequence[TargetSpec],
+        store: RunStore,
         limits: RuntimeLimits | None = None,
-        store: RunStore | None = None,
     ) -> None:
         self.node_id = node_id
         self.version = __version__
         self.runtime = limits or RuntimeLimits()
-        if store is None:
-            from ..store.memory import MemoryStore
-
-            store = MemoryStore()
-        self.store: RunStore = store
+        self.store = store
         self.gate = Gate(
             concurrency=self.runtime.concurrency,
             max_queued=self.runtime.max_queued,
@@ -235,26 +213,29 @@ class Node:
     ) -> Limits:
         """Change limits at runtime (None / absent leaves a limit as it is); returns those in force.
 
-        All names are checked before anything changes: an unknown adapter or
-        target raises KeyError, a bad value ValueError, and then nothing is
-        changed. Lowering a limit lets holders finish; raising it admits
-        waiting runs at once.
+        Everything is checked before anything changes: an unknown adapter or
+        target, or a value that is not a limit, raises InvalidRequest and
+        nothing is changed. Lowering a limit lets holders finish; raising it
+        admits waiting runs at once.
         """
         adapters = dict(adapters or {})
         targets = dict(targets or {})
         unknown = [f"adapter {n!r}" for n in adapters if n not in self._adapters]
         unknown += [f"target {n!r}" for n in targets if n not in self.targets]
         if unknown:
-            raise KeyError(f"unknown {', '.join(unknown)}")
-        for what, value in (
-            [("concurrency", concurrency), ("max_queued", max_queued)]
-            + [(f"target {n!r}", v) for n, v in targets.items()]
-            + [(f"adapter {n!r}", v) for n, v in adapters.items() if v is not None]
-        ):
-            if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"{what} must be an integer >= 0, not {value!r}")
-        if queue_timeout is not None and not queue_timeout >= 0:
-            raise ValueError(f"queue_timeout must be >= 0, not {queue_timeout!r}")
+            raise InvalidRequest(f"unknown {', '.join(unknown)}")
+        try:
+            for what, value in (
+                [("concurrency", concurrency), ("max_queued", max_queued)]
+                + [(f"target {n!r}", v) for n, v in targets.items()]
+                + [(f"adapter {n!r}", v) for n, v in adapters.items()]
+            ):
+                if value is not None:
+                    check_limit(what, value)
+            if queue_timeout is not None:
+                check_seconds("queue_timeout", queue_timeout)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
         self.gate.set_queue(max_queued=max_queued, queue_timeout=queue_timeout)
         for name, limit in adapters.items():
             self.gate.set_adapter_limit(name, limit)

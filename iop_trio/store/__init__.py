@@ -1,7 +1,10 @@
-"""Run stores: where runs and their events are kept."""
+"""Run stores: where runs and their events are kept.
+
+The package exports the interface; the implementations are imported from
+their modules: :mod:`iop_trio.store.sqlite` (the default) and
+:mod:`iop_trio.store.memory`.
+"""
 
 from .base import RunStore, StoreError
-from .memory import MemoryStore
-from .sqlite import SqliteStore, SqliteStoreStatistics
 
-__all__ = ["MemoryStore", "RunStore", "SqliteStore", "SqliteStoreStatistics", "StoreError"]
+__all__ = ["RunStore", "StoreError"]

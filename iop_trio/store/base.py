@@ -2,7 +2,7 @@
 
 A store keeps every run's record and its event log. Records change only by
 events: the store folds each appended event into its own copy of the record
-(:meth:`RunRecord.apply`), so the stored status always equals the last status
+(:func:`iop_trio.lifecycle.fold`), so the stored status always equals the last status
 event, and an event that breaks the lifecycle table or skips a seq is refused
 with an exception instead of being stored.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Collection
 
-from ..runtime.lifecycle import RunEvent, RunRecord, RunStatus
+from ..model import RunEvent, RunRecord, RunStatus
 
 
 class StoreError(Exception):

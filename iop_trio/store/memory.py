@@ -7,7 +7,8 @@ from collections.abc import Collection
 import attrs
 import trio
 
-from ..runtime.lifecycle import RunEvent, RunRecord, RunStatus, interruption
+from ..lifecycle import RunState, fold
+from ..model import RunEvent, RunRecord, RunStatus
 from .base import RunStore, StoreError, check_first_event
 
 
@@ -38,7 +39,7 @@ class MemoryStore(RunStore):
         if record is None:
             raise StoreError(f"event for unknown run {event.run_id}")
         try:
-            record.apply(event)
+            fold(record, event)
         except (ValueError, RuntimeError) as exc:
             raise StoreError(str(exc)) from exc
         self._events[event.run_id].append(event)
@@ -73,8 +74,8 @@ class MemoryStore(RunStore):
         made = []
         for record in self._runs.values():
             if not record.status.terminal:
-                event = interruption(record, time=time, message=message)
-                self.append_nowait(event)
+                event = RunState(record).interrupt(time=time, message=message)
+                self._events[record.run_id].append(event)
                 made.append(event)
         return made
 

@@ -16,7 +16,7 @@ with no timer. A job that fails (a refused event, a duplicate run) is rolled
 back to its savepoint and raises :class:`StoreError` in its caller; the
 other jobs of the batch are committed.
 
-Each event is folded into the run's row with :meth:`RunRecord.apply` itself,
+Each event is folded into the run's row with :func:`iop_trio.lifecycle.fold` itself,
 in the writer, against the state committed before it (earlier jobs of the
 same batch included). The writer keeps the fold state of live runs in memory
 so that an append costs one INSERT and one UPDATE; it is dropped whenever a
@@ -65,8 +65,16 @@ from typing import Any, Generic, Literal, TypeVar, cast
 import attrs
 import trio
 
-from ..adapters.base import Usage
-from ..runtime.lifecycle import EventKind, RunEvent, RunRecord, RunStatus, interruption
+from ..lifecycle import RunState, fold
+from ..model import (
+    LIVE_STATUSES,
+    TERMINAL_STATUSES,
+    EventKind,
+    RunEvent,
+    RunRecord,
+    RunStatus,
+    Usage,
+)
 from .base import RunStore, StoreError, check_first_event
 
 log = logging.getLogger(__name__)
@@ -119,11 +127,11 @@ _RUN_COLUMNS = (
     "started, finished, reason, message, last_seq, usage"
 )
 _EVENT_COLUMNS = "run_id, seq, kind, time, text, reason, message, usage"
-# Folding reads and writes only the columns RunRecord.apply() looks at or
+# Folding reads and writes only the columns lifecycle.fold() looks at or
 # changes, so a delta does not reload a long prompt or chat history.
 _FOLD_COLUMNS = "run_id, status, last_seq, started, finished, reason, message, usage"
-_LIVE = (RunStatus.QUEUED.value, RunStatus.RUNNING.value)
-_TERMINAL = tuple(s.value for s in RunStatus if s.terminal)
+_LIVE = tuple(sorted(s.value for s in LIVE_STATUSES))
+_TERMINAL = tuple(sorted(s.value for s in TERMINAL_STATUSES))
 
 
 @attrs.frozen
@@ -394,14 +402,15 @@ class SqliteStore(RunStore):
         """Mark every QUEUED or RUNNING run INTERRUPTED (oldest first), in one transaction."""
 
         def work(conn: sqlite3.Connection) -> list[RunEvent]:
+            live = f"status IN ({_marks(len(_LIVE))})"
             rows = conn.execute(
-                f"SELECT {_FOLD_COLUMNS} FROM runs WHERE status IN (?, ?) ORDER BY id", _LIVE
+                f"SELECT {_FOLD_COLUMNS} FROM runs WHERE {live} ORDER BY id", _LIVE
             ).fetchall()
             made = []
             for row in rows:
                 record = _fold_record(row)
-                event = interruption(record, time=time, message=message)
-                _fold_and_write(conn, record, event)
+                event = RunState(record).interrupt(time=time, message=message)
+                _write_event(conn, record, event)
                 self._folds.pop(record.run_id, None)
                 made.append(event)
             job.events = len(made)
@@ -608,7 +617,11 @@ class SqliteStore(RunStore):
             if not rows:
                 raise StoreError(f"event for unknown run {event.run_id}")
             record = _fold_record(rows[0])
-        _fold_and_write(conn, record, event)
+        try:
+            fold(record, event)
+        except (ValueError, RuntimeError) as exc:  # IllegalTransition is a RuntimeError
+            raise StoreError(str(exc)) from exc
+        _write_event(conn, record, event)
         if record.status.terminal:
             self._folds.pop(event.run_id, None)
         else:
@@ -794,7 +807,7 @@ def _event(row: tuple[Any, ...]) -> RunEvent:
 
 
 def _fold_record(row: tuple[Any, ...]) -> RunRecord:
-    """A partial record (no target, prompt, options) for :meth:`RunRecord.apply`."""
+    """A partial record (no target, prompt, options) for :func:`iop_trio.lifecycle.fold`."""
     return RunRecord(
         run_id=row[0],
         target="",
@@ -810,11 +823,8 @@ def _fold_record(row: tuple[Any, ...]) -> RunRecord:
     )
 
 
-def _fold_and_write(conn: sqlite3.Connection, record: RunRecord, event: RunEvent) -> None:
-    try:
-        record.apply(event)
-    except (ValueError, RuntimeError) as exc:  # IllegalTransition is a RuntimeError
-        raise StoreError(str(exc)) from exc
+def _write_event(conn: sqlite3.Connection, record: RunRecord, event: RunEvent) -> None:
+    """Insert ``event`` and update the run's row to ``record``, which ``event`` was folded into."""
     conn.execute(f"INSERT INTO events ({_EVENT_COLUMNS}) VALUES ({_marks(8)})", _event_row(event))
     if event.status is None:  # a delta moves only the seq
         conn.execute("UPDATE runs SET last_seq = ? WHERE run_id = ?", (event.seq, record.run_id))

@@ -1,15 +1,25 @@
-"""The Trio shell around the protocol: sessions, server, node client, runner client."""
+"""The Trio shell around the protocol.
 
-from .client import Backoff, NodeClient
-from .runner_client import RunnerClient, RunStream, open_runner
+- :mod:`.session`: one proto-socket over one WebSocket (reader, writer, heartbeat, handlers);
+- :mod:`.server`: a WebSocket server routing paths to session handlers, with bearer auth;
+- :mod:`.auth`: the bearer-token header and its check;
+- :mod:`.node_link`: the node's link to the edge (dial, Hello, serve, reconnect);
+- :mod:`.run_service`: the node's answers to run requests;
+- :mod:`.caller`: the calling side of run requests (the edge on a node, a CLI on an edge).
+"""
+
+from .caller import RunnerClient, RunStream, open_runner
+from .node_link import Backoff, NodeLink
+from .run_service import RunService
 from .server import serve_proto
 from .session import ProtoSession, RemoteError, SessionClosed, SessionSettings
 
 __all__ = [
     "Backoff",
-    "NodeClient",
+    "NodeLink",
     "ProtoSession",
     "RemoteError",
+    "RunService",
     "RunStream",
     "RunnerClient",
     "SessionClosed",

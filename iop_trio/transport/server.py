@@ -7,7 +7,6 @@ otherwise let it crash the listener's nursery).
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from urllib.parse import urlsplit
@@ -15,27 +14,12 @@ from urllib.parse import urlsplit
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
 
+from .auth import bearer_ok
 from .session import DEFAULT_MAX_MESSAGE_SIZE
 
 log = logging.getLogger(__name__)
 
 ConnectionHandler = Callable[[WebSocketConnection], Awaitable[None]]
-
-
-def bearer_ok(headers: list[tuple[bytes, bytes]], token: str | None) -> bool:
-    """True if ``token`` is None or the Authorization header carries exactly it."""
-    if token is None:
-        return True
-    for name, value in headers:
-        if name.lower() == b"authorization":
-            scheme, _, given = value.decode("latin-1").partition(" ")
-            if scheme.lower() == "bearer":
-                return hmac.compare_digest(given.strip().encode(), token.encode())
-    return False
-
-
-def bearer_header(token: str | None) -> list[tuple[bytes, bytes]]:
-    return [] if token is None else [(b"Authorization", f"Bearer {token}".encode())]
 
 
 async def serve_proto(

@@ -69,26 +69,27 @@ class ReplyStream:
     """The replies to one request, in order; iterate, or ``await first()``.
 
     Iteration ends after the final reply. An Error reply raises RemoteError;
-    the session ending early raises SessionClosed.
+    the session ending early raises SessionClosed. The session's protocol
+    state keeps the stream as the waiter of its request's nonce.
     """
 
-    def __init__(self, session: ProtoSession, nonce: int, frame: bytes) -> None:
+    def __init__(self, session: ProtoSession, kind: str, message: Message) -> None:
         self._session = session
-        self.nonce = nonce
-        self.frame = frame
-        self._send, self._receive = trio.open_memory_channel[Reply | BaseException](STREAM_BUFFER)
+        self.nonce, self.frame = session._conn.request(kind, message, self)
+        self._send, self._receive = trio.open_memory_channel[Reply[ReplyStream] | BaseException](
+            STREAM_BUFFER
+        )
         self._done = False
 
     def __repr__(self) -> str:
         return f"<ReplyStream nonce={self.nonce} done={self._done}>"
 
-    def _deliver(self, item: Reply | BaseException) -> None:
+    def _deliver(self, item: Reply[ReplyStream] | BaseException) -> None:
         try:
             self._send.send_nowait(item)
         except trio.WouldBlock:
             # the consumer is far behind: end its stream rather than stall the reader
             self._session._conn.forget(self.nonce)
-            self._session._streams.pop(self.nonce, None)
             self._send.close()
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass
@@ -126,7 +127,6 @@ class ReplyStream:
         """Stop listening; later replies are dropped."""
         self._done = True
         self._session._conn.forget(self.nonce)
-        self._session._streams.pop(self.nonce, None)
 
 
 class ProtoSession:
@@ -145,9 +145,8 @@ class ProtoSession:
         self.key = f"s{next(_session_ids)}"
         self.name = name or self.key
         self.settings = settings or SessionSettings()
-        self._conn = ProtoConnection(role)
+        self._conn: ProtoConnection[ReplyStream] = ProtoConnection(role)
         self._handler = handler
-        self._streams: dict[int, ReplyStream] = {}
         self._out_send, self._out_receive = trio.open_memory_channel[bytes](
             self.settings.send_queue
         )
@@ -164,7 +163,7 @@ class ProtoSession:
         state = "closed" if self._closed else "open"
         return (
             f"<ProtoSession {self.name} {self._conn.role.value} {state} "
-            f"in_flight={self._in_flight} waiting={len(self._streams)}>"
+            f"in_flight={self._in_flight} waiting={self._conn.pending}>"
         )
 
     @property
@@ -207,9 +206,7 @@ class ProtoSession:
             await self.ws.aclose(code, reason)
 
     def _fail_waiters(self, exc: BaseException) -> None:
-        self._conn.forget_all()
-        streams, self._streams = self._streams, {}
-        for stream in streams.values():
+        for stream in self._conn.forget_all():
             stream._deliver(exc)
 
     async def _reader(self) -> None:
@@ -227,20 +224,15 @@ class ProtoSession:
             except ProtocolError as exc:
                 self.bad_frames += 1
                 log.warning("session %s: bad frame: %s", self.name, exc.message)
-                if exc.broken:
-                    stream = self._streams.pop(exc.broken, None)
-                    if stream is not None:
-                        stream._deliver(RemoteError(exc.code, exc.message))
+                if isinstance(exc.waiter, ReplyStream):
+                    exc.waiter._deliver(RemoteError(exc.code, exc.message))
                 self._send_nowait_or_drop(self._conn.error(exc.reply_to, exc.code, exc.message))
                 continue
             if isinstance(incoming, Request):
                 self._start_handler(incoming)
             elif isinstance(incoming, Reply):
-                stream = self._streams.get(incoming.reply_to)
-                if stream is not None:
-                    if incoming.final:
-                        del self._streams[incoming.reply_to]
-                    stream._deliver(incoming)
+                if incoming.waiter is not None:
+                    incoming.waiter._deliver(incoming)
             elif isinstance(incoming, StaleReply):
                 log.debug(
                     "session %s: stale %s for %d", self.name, incoming.kind, incoming.reply_to
@@ -348,10 +340,7 @@ class ProtoSession:
         """
         if self._closed:
             raise SessionClosed(f"session {self.name} is closed")
-        nonce, frame = self._conn.request(kind, message)
-        stream = ReplyStream(self, nonce, frame)
-        self._streams[nonce] = stream
-        return stream
+        return ReplyStream(self, kind, message)
 
     @asynccontextmanager
     async def stream(self, kind: str, message: Message) -> AsyncIterator[ReplyStream]:

@@ -31,10 +31,10 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from iop_trio.adapters import EchoAdapter
+from iop_trio.adapters.echo import EchoAdapter
+from iop_trio.model import RunEvent, RunRecord
 from iop_trio.runtime import Node, RunSpec, RuntimeLimits, TargetSpec
-from iop_trio.runtime.lifecycle import RunEvent, RunRecord
-from iop_trio.store import SqliteStore
+from iop_trio.store.sqlite import SqliteStore
 
 TARGETS = [
     TargetSpec("echo", "slow", concurrency=1, params={"delay": 0.05}),

@@ -24,7 +24,7 @@ import httpx
 import pytest
 import trio
 
-from iop_trio.adapters import OpenAIAdapter
+from iop_trio.adapters.openai import OpenAIAdapter
 from iop_trio.runtime import (
     EventKind,
     Node,
@@ -34,6 +34,7 @@ from iop_trio.runtime import (
     RunStatus,
     TargetSpec,
 )
+from iop_trio.store.memory import MemoryStore
 
 pytestmark = [
     pytest.mark.smoke,
@@ -128,7 +129,7 @@ def make_node(url: str, *, concurrency: int = 1, **params: object) -> Node:
         concurrency=concurrency,
         params={"temperature": 0.0, "seed": 1, "max_tokens": 32, **params},
     )
-    return Node(node_id="smoke", adapters=[adapter], targets=[target])
+    return Node(node_id="smoke", adapters=[adapter], targets=[target], store=MemoryStore())
 
 
 async def finish(node: Node, run_id: str) -> tuple[RunRecord, list[RunEvent]]:

@@ -1,6 +1,6 @@
 """The node's side of the link: dial the edge, say Hello, serve, reconnect.
 
-:class:`NodeClient` keeps one session to the edge at a time. When a session
+:class:`NodeLink` keeps one session to the edge at a time. When a session
 is lost, the foreground runs it asked for are cancelled (reason
 ``session_lost``); background runs go on and can be fetched from the next
 session with GetRun / ListRuns. Reconnection waits a jittered exponential
@@ -24,9 +24,9 @@ from trio_websocket import (
 
 from ..protocol import Role, pb
 from ..protocol.convert import hello_from_info
-from ..runtime.node import Node
-from .server import bearer_header
-from .service import RunnerService
+from ..runtime import Node
+from .auth import bearer_header
+from .run_service import RunService
 from .session import ProtoSession, RemoteError, SessionClosed, SessionSettings
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class Backoff:
         return rng.uniform(0, ceiling)
 
 
-class NodeClient:
+class NodeLink:
     """Connects ``node`` to the edge at ``url`` and keeps it connected."""
 
     def __init__(
@@ -69,7 +69,7 @@ class NodeClient:
         self.connect_timeout = connect_timeout
         self.hello_timeout = hello_timeout
         self._rng = rng or random.Random()
-        self.service = RunnerService(node)
+        self.service = RunService(node)
         self.session: ProtoSession | None = None
         self.sessions = 0  # sessions that got a HelloAck
         self.attempts = 0  # connection attempts, all told
@@ -82,7 +82,7 @@ class NodeClient:
 
     def __repr__(self) -> str:
         state = "connected" if self.session is not None else "disconnected"
-        return f"<NodeClient {self.node.node_id!r} -> {self.url} {state} sessions={self.sessions}>"
+        return f"<NodeLink {self.node.node_id!r} -> {self.url} {state} sessions={self.sessions}>"
 
     async def wait_connected(self) -> ProtoSession:
         """Return the current session, waiting for one if there is none."""

@@ -1,9 +1,16 @@
-"""The node side of the proto-socket: answers an edge's requests from a :class:`Node`."""
+"""The node's request service: answers an edge's requests from a :class:`Node`.
+
+Each request kind has a handler (``_on_<kind>``); the errors a request can
+meet map to error codes in :data:`ERROR_CODES`, and anything else is a bug
+that the session answers INTERNAL.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
+from ..model import InvalidRequest, NodeUnavailable, UnknownRun, UnknownTarget
 from ..protocol import Request, pb
 from ..protocol.convert import (
     event_to_pb,
@@ -13,9 +20,7 @@ from ..protocol.convert import (
     status_to_pb,
     summary_from_record,
 )
-from ..runtime.gate import UnknownTarget
-from ..runtime.manager import InvalidRequest, NodeUnavailable, UnknownRun
-from ..runtime.node import Node
+from ..runtime import Node
 from .session import ProtoSession
 
 log = logging.getLogger(__name__)
@@ -23,8 +28,16 @@ log = logging.getLogger(__name__)
 MAX_EVENTS_PER_INFO = 1000
 MAX_LIST = 1000
 
+#: The error code each expected failure of a request is answered with.
+ERROR_CODES: Mapping[type[Exception], pb.ErrorCode] = {
+    UnknownTarget: pb.ERROR_CODE_UNKNOWN_TARGET,
+    UnknownRun: pb.ERROR_CODE_UNKNOWN_RUN,
+    InvalidRequest: pb.ERROR_CODE_INVALID,
+    NodeUnavailable: pb.ERROR_CODE_UNAVAILABLE,
+}
 
-class RunnerService:
+
+class RunService:
     """Serves run requests for one node; one instance serves every session of it.
 
     Foreground runs belong to the session that asked (its ``key``), so the
@@ -35,7 +48,7 @@ class RunnerService:
         self.node = node
 
     def __repr__(self) -> str:
-        return f"<RunnerService {self.node.node_id!r}>"
+        return f"<RunService {self.node.node_id!r}>"
 
     async def handle(self, session: ProtoSession, request: Request) -> None:
         handler = getattr(self, f"_on_{request.kind}", None)
@@ -46,17 +59,9 @@ class RunnerService:
             return
         try:
             await handler(session, request.nonce, request.message)
-        except UnknownTarget as exc:
-            await session.error(request.nonce, pb.ERROR_CODE_UNKNOWN_TARGET, str(exc))
-        except UnknownRun as exc:
-            await session.error(request.nonce, pb.ERROR_CODE_UNKNOWN_RUN, str(exc))
-        except KeyError as exc:  # set_limits naming what the node does not have
-            text = str(exc.args[0]) if exc.args else "unknown name"
-            await session.error(request.nonce, pb.ERROR_CODE_INVALID, text)
-        except (InvalidRequest, ValueError) as exc:
-            await session.error(request.nonce, pb.ERROR_CODE_INVALID, str(exc))
-        except NodeUnavailable as exc:
-            await session.error(request.nonce, pb.ERROR_CODE_UNAVAILABLE, str(exc))
+        except tuple(ERROR_CODES) as exc:
+            code = next(c for kind, c in ERROR_CODES.items() if isinstance(exc, kind))
+            await session.error(request.nonce, code, str(exc))
 
     async def _on_run_request(
         self, session: ProtoSession, nonce: int, message: pb.RunRequest

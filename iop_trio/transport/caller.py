@@ -1,4 +1,4 @@
-"""The calling side of run requests: what an edge uses on a node, and a CLI on an edge.
+"""The caller's side of run requests: what an edge uses on a node, and a CLI on an edge.
 
 :class:`RunnerClient` wraps a :class:`ProtoSession` whose peer serves run
 requests (Role.RUNNER) and offers them as Python calls. Errors from the peer
@@ -9,16 +9,19 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Collection, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
 
 import trio
 from trio_websocket import open_websocket_url
 
+from ..model import RunEvent, RunSpec, RunStatus
 from ..protocol import Role, pb
-from ..protocol.convert import event_from_pb, request_from_spec, status_to_pb
-from ..runtime.lifecycle import RunEvent, RunStatus
-from ..runtime.manager import RunSpec
-from .server import bearer_header
+from ..protocol.convert import (
+    TERMINAL_STATUSES_PB,
+    event_from_pb,
+    request_from_spec,
+    status_to_pb,
+)
+from .auth import bearer_header
 from .session import ProtoSession, ReplyStream, SessionClosed, SessionSettings
 
 
@@ -153,7 +156,7 @@ class _Followed(RunStream):
         self._client = client
         self._backlog = [event_from_pb(e) for e in info.events]
         self._more = info.more_events
-        self._ended = info.run.status in _TERMINAL_PB
+        self._ended = info.run.status in TERMINAL_STATUSES_PB
         self.info = info
 
     async def __anext__(self) -> RunEvent:
@@ -174,9 +177,6 @@ class _Followed(RunStream):
         return await super().__anext__()
 
 
-_TERMINAL_PB = frozenset(status_to_pb(s) for s in RunStatus if s.terminal)
-
-
 @asynccontextmanager
 async def open_runner(
     url: str, *, token: str | None = None, settings: SessionSettings | None = None
@@ -193,19 +193,3 @@ async def open_runner(
                 yield RunnerClient(session)
             finally:
                 nursery.cancel_scope.cancel()
-
-
-def options_from_pairs(pairs: Collection[str]) -> dict[str, Any]:
-    """``["temperature=0.2", "stop=[\\"x\\"]"]`` -> dict; values parse as JSON, else stay text."""
-    import json
-
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"option {pair!r} is not key=value")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options

@@ -1,0 +1,321 @@
+"""The node's data: runs, their events and statuses, targets, limits, and what can go wrong.
+
+Plain attrs classes and enums that every layer shares (protocol, store,
+adapters, runtime, transport). This module imports only attrs and the
+standard library; the rules of how a run moves from one status to another
+live in :mod:`iop_trio.lifecycle`, which alone makes events.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+# --- statuses and events ---------------------------------------------------------------------
+
+
+class RunStatus(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"
+    INTERRUPTED = "interrupted"
+
+    @property
+    def terminal(self) -> bool:
+        """True for the statuses a run never leaves (every status but QUEUED and RUNNING)."""
+        return self not in LIVE_STATUSES
+
+    @property
+    def event_kind(self) -> EventKind:
+        """The kind of the event that moves a run to this status."""
+        return _KIND_OF_STATUS[self]
+
+
+#: The statuses of a run that has not ended; every other status is terminal.
+LIVE_STATUSES = frozenset({RunStatus.QUEUED, RunStatus.RUNNING})
+TERMINAL_STATUSES = frozenset(RunStatus) - LIVE_STATUSES
+
+
+class EventKind(enum.Enum):
+    QUEUED = "queued"
+    STARTED = "started"
+    DELTA = "delta"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"
+    INTERRUPTED = "interrupted"
+
+    @property
+    def status(self) -> RunStatus | None:
+        """The status this event moves the run to; None for DELTA."""
+        return _STATUS_OF_KIND.get(self)
+
+    @property
+    def terminal(self) -> bool:
+        status = self.status
+        return status is not None and status.terminal
+
+
+_KIND_OF_STATUS: Mapping[RunStatus, EventKind] = {
+    RunStatus.QUEUED: EventKind.QUEUED,
+    RunStatus.RUNNING: EventKind.STARTED,
+    RunStatus.SUCCEEDED: EventKind.SUCCEEDED,
+    RunStatus.FAILED: EventKind.FAILED,
+    RunStatus.CANCELLED: EventKind.CANCELLED,
+    RunStatus.REJECTED: EventKind.REJECTED,
+    RunStatus.INTERRUPTED: EventKind.INTERRUPTED,
+}
+_STATUS_OF_KIND: Mapping[EventKind, RunStatus] = {k: s for s, k in _KIND_OF_STATUS.items()}
+
+
+class RejectReason(enum.Enum):
+    QUEUE_FULL = "queue_full"
+    QUEUE_TIMEOUT = "queue_timeout"
+
+
+#: Reasons a REJECTED event may carry; other terminal events take free-form reasons.
+REJECT_REASONS = frozenset(r.value for r in RejectReason)
+
+
+@attrs.frozen
+class Usage:
+    """What the engine reported at the end of a run (fields it did not report are None)."""
+
+    done_reason: str = ""
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+@attrs.frozen
+class RunEvent:
+    """One entry of a run's event log. ``seq`` starts at 1 and has no gaps.
+
+    Made only by :class:`iop_trio.lifecycle.RunState` (and decoded from the
+    wire or the store).
+    """
+
+    run_id: str
+    seq: int
+    kind: EventKind
+    time: float
+    text: str = ""
+    reason: str = ""
+    message: str = ""
+    usage: Usage | None = None
+
+    @property
+    def status(self) -> RunStatus | None:
+        return self.kind.status
+
+    def __repr__(self) -> str:
+        extra = ""
+        if self.text:
+            extra += f" text={self.text!r}"
+        if self.reason:
+            extra += f" reason={self.reason}"
+        return f"<RunEvent {self.run_id}#{self.seq} {self.kind.value}{extra}>"
+
+
+@attrs.define
+class RunRecord:
+    """A run as the store keeps it. ``status`` always equals the last status event.
+
+    Changed only by :func:`iop_trio.lifecycle.fold`, one event at a time.
+    """
+
+    run_id: str
+    target: str
+    status: RunStatus
+    background: bool
+    created: float
+    prompt: str = ""
+    messages: tuple[tuple[str, str], ...] = ()
+    options: Mapping[str, Any] = attrs.field(factory=dict)
+    started: float | None = None
+    finished: float | None = None
+    reason: str = ""
+    message: str = ""
+    last_seq: int = 0
+    usage: Usage | None = None
+
+    def __repr__(self) -> str:
+        reason = f"({self.reason})" if self.reason else ""
+        mode = "bg" if self.background else "fg"
+        return (
+            f"<RunRecord {self.run_id} {self.target} {self.status.value}{reason} "
+            f"{mode} seq={self.last_seq}>"
+        )
+
+
+# --- what callers ask for --------------------------------------------------------------------
+
+
+@attrs.frozen
+class RunSpec:
+    """What a caller asks for. ``messages`` (role, content) make a chat run."""
+
+    target: str
+    prompt: str = ""
+    messages: tuple[tuple[str, str], ...] = ()
+    background: bool = False
+    run_id: str | None = None
+    options: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class TargetSpec:
+    """A target: an adapter namespace, a model and the profile settings runs get.
+
+    Its name is ``adapter/model``, or ``adapter/model@profile`` when a profile
+    is named, so one model can be served under several profiles.
+    """
+
+    adapter: str
+    model: str
+    profile: str = ""
+    concurrency: int = 1
+    max_queued: int | None = None
+    queue_timeout: float | None = None
+    params: Mapping[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def name(self) -> str:
+        base = f"{self.adapter}/{self.model}"
+        return f"{base}@{self.profile}" if self.profile else base
+
+    def params_for(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """The params a run gets: the profile's ``params`` with the run's ``options`` on top."""
+        return overlay(self.params, options)
+
+
+def overlay(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``over`` on top; where both hold a mapping under one key, those merge too.
+
+    So a run's ``options={"options": {"temperature": 0}}`` keeps the profile's
+    ``options.num_ctx``.
+    """
+    merged = dict(base)
+    for key, value in over.items():
+        old = merged.get(key)
+        if isinstance(old, Mapping) and isinstance(value, Mapping):
+            merged[key] = overlay(old, value)
+        else:
+            merged[key] = value
+    return merged
+
+
+# --- what a node says about itself -----------------------------------------------------------
+
+
+@attrs.frozen
+class Capabilities:
+    """What an adapter can do. ``max_concurrency`` None = no bound of its own."""
+
+    max_concurrency: int | None = None
+    streaming: bool = True
+    chat: bool = True
+
+
+@attrs.frozen
+class Limits:
+    """The limits in force. An adapter mapped to None has no bound of its own."""
+
+    concurrency: int
+    max_queued: int
+    queue_timeout: float
+    adapters: Mapping[str, int | None]
+    targets: Mapping[str, int]
+
+
+@attrs.frozen
+class AdapterInfo:
+    name: str
+    kind: str
+    concurrency: int | None  # in force; None = unbounded
+    capabilities: Capabilities
+
+
+@attrs.frozen
+class NodeInfo:
+    """What a node tells an edge in its Hello."""
+
+    node_id: str
+    version: str
+    targets: tuple[TargetSpec, ...]
+    adapters: tuple[AdapterInfo, ...]
+    limits: Limits
+
+
+# --- limits ----------------------------------------------------------------------------------
+
+
+def limit_problem(value: object, minimum: int = 0) -> str | None:
+    """What is wrong with ``value`` as a concurrency or queue limit, or None if nothing.
+
+    A limit is an int (``True`` is not one) of at least ``minimum``.
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        return f"must be an integer >= {minimum}, not {value!r}"
+    return None
+
+
+def check_limit(what: str, value: object, minimum: int = 0) -> int:
+    """``value`` if it is a limit (see :func:`limit_problem`), else ValueError naming ``what``."""
+    problem = limit_problem(value, minimum)
+    if problem is not None:
+        raise ValueError(f"{what} {problem}")
+    assert isinstance(value, int)
+    return value
+
+
+def seconds_problem(value: object, *, positive: bool = False) -> str | None:
+    """What is wrong with ``value`` as a duration in seconds (>= 0, or > 0), or None."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        return f"must be a number of seconds, not {value!r}"
+    if positive and not value > 0:
+        return f"must be a number of seconds > 0, not {value!r}"
+    if value < 0:
+        return f"must be a number >= 0, not {value!r}"
+    return None
+
+
+def check_seconds(what: str, value: object, *, positive: bool = False) -> float:
+    """``value`` as a float if it is a duration (see :func:`seconds_problem`), else ValueError."""
+    problem = seconds_problem(value, positive=positive)
+    if problem is not None:
+        raise ValueError(f"{what} {problem}")
+    assert isinstance(value, int | float)
+    return float(value)
+
+
+# --- what can go wrong -----------------------------------------------------------------------
+
+
+class InvalidRequest(ValueError):
+    """A request with bad values (the message says which); nothing was changed."""
+
+
+class UnknownTarget(KeyError):
+    """No target of that name is configured."""
+
+    def __str__(self) -> str:
+        return f"unknown target {self.args[0]!r}"
+
+
+class UnknownRun(KeyError):
+    """No run of that id is known."""
+
+    def __str__(self) -> str:
+        return f"unknown run {self.args[0]!r}"
+
+
+class NodeUnavailable(Exception):
+    """The node is draining or stopped and admits no new runs."""
