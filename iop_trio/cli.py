@@ -448,7 +448,7 @@ DEMO_TOKEN = "demo-token"
 
 async def demo(ns: argparse.Namespace, out: TextIO) -> int:
     """An edge and a node with echo targets in one process, on loopback, until Ctrl-C."""
-    from .adapters.echo import EchoAdapter
+    from .adapters.echo import EchoAdapter, EchoSettings
     from .edge import Edge
     from .model import TargetSpec
     from .runtime import AdapterSlot, RuntimeLimits
@@ -458,7 +458,7 @@ async def demo(ns: argparse.Namespace, out: TextIO) -> int:
     edge = Edge(token=DEMO_TOKEN, edge_id="demo-edge")
     node = Node(
         node_id="demo-node",
-        adapters=[AdapterSlot(EchoAdapter("echo", delay=0.05), 8)],
+        adapters=[AdapterSlot(EchoAdapter("echo", EchoSettings(delay=0.05)), 8)],
         targets=[
             TargetSpec("echo", "chat", concurrency=2, params={"delay": 0.08}),
             TargetSpec("echo", "fast", concurrency=4, params={"delay": 0.0}),

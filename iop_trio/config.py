@@ -14,8 +14,6 @@ Targets are a list and are not overridable from the environment.
 
 from __future__ import annotations
 
-import inspect
-import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -28,7 +26,7 @@ import yaml
 
 from .adapters.base import Adapter
 from .adapters.registry import AdapterRegistry, default_registry
-from .model import TargetSpec
+from .model import TargetSpec, field_check, limit_problem, seconds_problem
 from .runtime import AdapterSlot, RuntimeLimits
 
 ENV_PREFIX = "IOP_"
@@ -39,22 +37,12 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the file and the key."""
 
 
-def _int_at_least(low: int) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
-    def check(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value is not None and value < low:
-            raise ValueError(f"{attribute.name}: must be an integer >= {low}, not {value!r}")
-
-    return check
+def _int_at_least(low: int) -> Callable[[Any, Any, Any], None]:
+    return field_check(lambda value: limit_problem(value, low))
 
 
-def _non_negative(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and (math.isnan(value) or value < 0):
-        raise ValueError(f"{attribute.name}: must be a number >= 0, not {value!r}")
-
-
-def _positive(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and not value > 0:
-        raise ValueError(f"{attribute.name}: must be a number > 0, not {value!r}")
+_non_negative = field_check(seconds_problem)
+_positive = field_check(lambda value: seconds_problem(value, positive=True))
 
 
 @attrs.frozen
@@ -201,33 +189,28 @@ def _split_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def _check_adapter(registry: AdapterRegistry, name: str, cfg: AdapterConfig, source: str) -> None:
-    """The kind exists and every setting is a keyword its factory takes."""
+def _adapter_settings(registry: AdapterRegistry, name: str, cfg: AdapterConfig, source: str) -> Any:
+    """The kind's settings object from the adapter's keys; ConfigError naming the key."""
     where = f"{source}: adapters.{name}"
     if cfg.kind not in registry:
         raise ConfigError(f"{where}.kind: unknown kind {cfg.kind!r} (known: {', '.join(registry)})")
-    accepted = {
-        p.name
-        for p in inspect.signature(registry.factory(cfg.kind)).parameters.values()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in ("client", "max_concurrency")
-    }
+    settings_type = registry.settings_type(cfg.kind)
+    known = sorted(attrs.fields_dict(settings_type))
     for key in cfg.settings:
-        if key not in accepted:
+        if key not in known:
             raise ConfigError(
-                f"{where}.{key}: not a setting of kind {cfg.kind!r} "
-                f"(known: {', '.join(sorted(accepted))})"
+                f"{where}.{key}: not a setting of kind {cfg.kind!r} (known: {', '.join(known)})"
             )
+    try:
+        return _CONVERTER.structure(cfg.settings, settings_type)
+    except Exception as exc:  # cattrs raises class validation groups
+        lines = _messages(exc, prefix=f"adapters.{name}")
+        raise ConfigError("\n".join(f"{source}: {m}" for m in lines)) from None
 
 
 def _make_adapter(registry: AdapterRegistry, name: str, cfg: AdapterConfig, source: str) -> Adapter:
-    _check_adapter(registry, name, cfg, source)
-    options = dict(cfg.settings)
-    if cfg.max_concurrency is not None:
-        options["max_concurrency"] = cfg.max_concurrency
-    try:
-        return registry.create(cfg.kind, name, **options)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{source}: adapters.{name}: {exc}") from None
+    settings = _adapter_settings(registry, name, cfg, source)
+    return registry.create(cfg.kind, name, settings, max_concurrency=cfg.max_concurrency)
 
 
 # --- structuring ---------------------------------------------------------------------------
@@ -297,8 +280,9 @@ def _format(exc: BaseException, _type: Any) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _messages(exc: Exception) -> list[str]:
-    """'path: problem' lines from a cattrs error (the path without the leading '$.')."""
+def _messages(exc: Exception, prefix: str = "") -> list[str]:
+    """'path: problem' lines from a cattrs error (the path without the leading '$.',
+    under ``prefix`` if given)."""
     lines = []
     for line in cattrs.transform_error(exc, path="$", format_exception=_format):
         message, _, path = line.rpartition(" @ ")
@@ -309,6 +293,7 @@ def _messages(exc: Exception) -> list[str]:
             if re.fullmatch(r"[a-z_][a-z0-9_]*(, [a-z_][a-z0-9_]*)*", field):
                 path = f"{path}.{field}" if path else field
                 message = rest
+        path = ".".join(p for p in (prefix, path) if p)
         lines.append(f"{path}: {message}" if path else message)
     return lines
 
@@ -346,7 +331,7 @@ def _check_references(config: NodeConfig) -> None:
     for name, adapter in config.adapters.items():
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
             raise ConfigError(f"{src}: adapters.{name}: names are letters, digits, _ . -")
-        _check_adapter(registry, name, adapter, src)
+        _adapter_settings(registry, name, adapter, src)
 
 
 def apply_env(data: dict[str, Any], environ: Mapping[str, str], *, source: str) -> dict[str, Any]:

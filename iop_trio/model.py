@@ -9,8 +9,7 @@ live in :mod:`iop_trio.lifecycle`, which alone makes events.
 from __future__ import annotations
 
 import enum
-import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -278,13 +277,15 @@ def check_limit(what: str, value: object, minimum: int = 0) -> int:
 
 def seconds_problem(value: object, *, positive: bool = False) -> str | None:
     """What is wrong with ``value`` as a duration in seconds (>= 0, or > 0), or None."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-        return f"must be a number of seconds, not {value!r}"
-    if positive and not value > 0:
+    if (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and (value > 0 or (value == 0 and not positive))  # NaN is neither
+    ):
+        return None
+    if positive:
         return f"must be a number of seconds > 0, not {value!r}"
-    if value < 0:
-        return f"must be a number >= 0, not {value!r}"
-    return None
+    return f"must be a number >= 0, not {value!r}"
 
 
 def check_seconds(what: str, value: object, *, positive: bool = False) -> float:
@@ -294,6 +295,18 @@ def check_seconds(what: str, value: object, *, positive: bool = False) -> float:
         raise ValueError(f"{what} {problem}")
     assert isinstance(value, int | float)
     return float(value)
+
+
+def field_check(problem: Callable[[Any], str | None]) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator from a ``*_problem`` function: None passes, else
+    ``ValueError("<field>: <problem>")`` (the form config errors name keys by)."""
+
+    def check(_: Any, attribute: Any, value: Any) -> None:
+        found = None if value is None else problem(value)
+        if found is not None:
+            raise ValueError(f"{attribute.name}: {found}")
+
+    return check
 
 
 # --- what can go wrong -----------------------------------------------------------------------

@@ -40,8 +40,11 @@ import httpx
 import pytest
 import trio
 
+from iop_trio.adapters._http import HTTPAdapter
 from iop_trio.adapters.base import Adapter, AdapterError, AdapterRequest, Chunk
-from iop_trio.runtime import Node, RunEvent, RunRecord, RunSpec, TargetSpec
+from iop_trio.adapters.ollama import OllamaAdapter, OllamaSettings
+from iop_trio.adapters.openai import OpenAIAdapter, OpenAISettings
+from iop_trio.runtime import Node, RunEvent, RunRecord, RunSpec, TargetSpec, Usage
 from iop_trio.store.memory import MemoryStore
 
 Ending = Literal["finish", "abort", "reset", "hang"]
@@ -498,6 +501,140 @@ def openai_reply(pieces: Sequence[str], *, end: Ending = "finish", **kw: Any) ->
 def openai_error(status: int, message: str, *, type: str = "invalid_request_error") -> Reply:
     body = {"error": {"message": message, "type": type, "param": None, "code": None}}
     return Reply(status, parts=[json.dumps(body).encode()], content_length=True)
+
+
+STOP_USAGE = Usage("stop", 5, 3)
+
+# --- one wire format, as the adapter contract sees it ----------------------------------------
+
+
+@attrs.frozen
+class Wire:
+    """How one engine says what every HTTP adapter must understand, for the contract suite.
+
+    Prompt-only runs of ``model`` are POSTed to ``path``; a stream is ``piece``
+    per delta, then ``end`` (the engine's finish signal, with its token counts);
+    ``error_body`` is the engine's JSON error; ``error_part`` an error in the
+    middle of a stream, whose message contains ``error_words``.
+    """
+
+    kind: str
+    namespace: str
+    model: str
+    path: str
+    content_type: str
+    settings_type: type[Any]
+    adapter_type: type[HTTPAdapter]
+    piece: Callable[[str], bytes]
+    end: Callable[[Usage], bytes]
+    error_body: Callable[[str], bytes]
+    error_part: bytes
+    error_words: str
+    bad_parts: tuple[bytes, ...]
+    empty_content_types: tuple[str, ...]
+    bad_params: tuple[Mapping[str, Any], ...]
+    prompt_of: Callable[[Any], str]  # the prompt of a request body
+
+    def __repr__(self) -> str:
+        return self.kind
+
+    @property
+    def target(self) -> str:
+        return f"{self.namespace}/{self.model}"
+
+    def adapter(
+        self,
+        url: str,
+        *,
+        client: httpx.AsyncClient | None = None,
+        max_concurrency: int | None = None,
+        **settings: Any,
+    ) -> HTTPAdapter:
+        settings.setdefault("read_timeout", 10.0)
+        settings.setdefault("connect_timeout", 5.0)
+        return self.adapter_type(
+            self.namespace,
+            self.settings_type(base_url=url, **settings),
+            client=client,
+            max_concurrency=max_concurrency,
+        )
+
+    def reply(
+        self,
+        pieces: Sequence[str],
+        *,
+        usage: Usage = STOP_USAGE,
+        done: bool = True,
+        end: Ending = "finish",
+    ) -> Reply:
+        """A 200 stream of ``pieces``, then the finish signal (none if not ``done``)."""
+        parts = [self.piece(p) for p in pieces] + ([self.end(usage)] if done else [])
+        return Reply(content_type=self.content_type, parts=parts, end=end)
+
+    def error(self, status: int, message: str) -> Reply:
+        return Reply(status, parts=[self.error_body(message)], content_length=True)
+
+
+def _openai_end(usage: Usage) -> bytes:
+    counts = (usage.prompt_tokens or 0, usage.completion_tokens or 0)
+    return (
+        sse(openai_chunk(finish_reason=usage.done_reason)) + sse(openai_usage(*counts)) + SSE_DONE
+    )
+
+
+OLLAMA = Wire(
+    kind="ollama",
+    namespace="ollama",
+    model="llama3",
+    path="/api/generate",
+    content_type=NDJSON,
+    settings_type=OllamaSettings,
+    adapter_type=OllamaAdapter,
+    piece=lambda text: ndjson(ollama_piece(text, chat=False)),
+    end=lambda usage: ndjson(
+        ollama_done(
+            chat=False,
+            done_reason=usage.done_reason,
+            prompt_eval_count=usage.prompt_tokens or 0,
+            eval_count=usage.completion_tokens or 0,
+        )
+    ),
+    error_body=lambda message: json.dumps({"error": message}).encode(),
+    error_part=ndjson(
+        {"error": "an error was encountered while running the model: unexpected EOF"}
+    ),
+    error_words="unexpected EOF",
+    bad_parts=(b"{not json\n", b"[1, 2]\n", b'{"response": 3}\n'),
+    empty_content_types=(NDJSON,),
+    bad_params=({"options": [1]}, {"system": 3}),
+    prompt_of=lambda body: str(body["prompt"]),
+)
+OPENAI = Wire(
+    kind="openai",
+    namespace="vllm",
+    model="qwen",
+    path="/v1/chat/completions",
+    content_type=SSE,
+    settings_type=OpenAISettings,
+    adapter_type=OpenAIAdapter,
+    piece=lambda text: sse(openai_chunk(text)),
+    end=_openai_end,
+    error_body=lambda message: json.dumps(
+        {"error": {"message": message, "type": "invalid_request_error"}}
+    ).encode(),
+    error_part=sse({"error": {"message": "CUDA out of memory", "type": "InternalServerError"}}),
+    error_words="CUDA out of memory (InternalServerError)",
+    bad_parts=(
+        b"data: {not json\n\n",
+        b"data: [1]\n\n",
+        b'data: {"choices": {"0": 1}}\n\n',
+        b'data: {"choices": [{"index": 0, "delta": {"content": 5}}]}\n\n',
+    ),
+    empty_content_types=(SSE, JSON),
+    bad_params=({"extra_body": "x"}, {"temperature": {0.5}}),
+    prompt_of=lambda body: str(body["messages"][-1]["content"]),
+)
+WIRES = (OLLAMA, OPENAI)
 
 
 # --- the runtime over an adapter -------------------------------------------------------------

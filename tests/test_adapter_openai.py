@@ -22,30 +22,25 @@ from iop_trio.adapters import (
     Delta,
     default_registry,
 )
-from iop_trio.adapters._http import SSEDecoder, SSEEvent
-from iop_trio.adapters.openai import OpenAIAdapter
+from iop_trio.adapters._http import HTTPAdapter, SSEDecoder, SSEEvent
+from iop_trio.adapters.openai import OpenAIAdapter, OpenAISettings
 from iop_trio.runtime import EventKind, RunSpec, RunStatus, Usage
 
 from .engines import (
     JSON,
+    OPENAI,
     SSE,
-    SSE_DONE,
     EngineServer,
     Reply,
     collect,
-    failure,
     make_node,
-    next_event,
     openai_chunk,
     openai_error,
     openai_reply,
     openai_stream,
-    recording_client,
-    refused_port,
     run_to_end,
     serve,
     sse,
-    wait_end,
 )
 
 PROMPT = AdapterRequest(run_id="r1", model="qwen", prompt="Say hi")
@@ -59,10 +54,8 @@ async def server() -> AsyncIterator[EngineServer]:
         yield s
 
 
-def openai(server: EngineServer, **kw: Any) -> OpenAIAdapter:
-    kw.setdefault("read_timeout", 10.0)
-    kw.setdefault("connect_timeout", 5.0)
-    return OpenAIAdapter("vllm", base_url=server.url, **kw)
+def openai(server: EngineServer, **kw: Any) -> HTTPAdapter:
+    return OPENAI.adapter(server.url, **kw)
 
 
 def assert_names_engine(message: str, url: str) -> None:
@@ -112,7 +105,7 @@ async def test_chat_without_usage_option_or_key(server):
 
 async def test_base_url_may_end_in_v1(server):
     server.push(openai_reply(["ok"]))
-    async with OpenAIAdapter(base_url=server.url + "/v1/") as adapter:
+    async with OPENAI.adapter(server.url + "/v1/") as adapter:
         await collect(adapter, PROMPT)
     assert server.exchanges[0].path == PATH
 
@@ -138,23 +131,6 @@ async def test_sse_edge_cases_on_the_wire(server):
     assert chunks == [Delta("a\nb"), Delta("c"), Completion(Usage("stop"))]
 
 
-async def test_deltas_arrive_as_the_engine_sends_them(server):
-    reply = server.push(Reply(content_type=SSE, end="hang"))
-    async with openai(server) as adapter:
-        node = make_node(adapter, model="qwen")
-        async with node.running():
-            run = (await node.manager.submit(RunSpec("vllm/qwen", prompt="hi"))).record.run_id
-            await reply.request()
-            for seq, word in enumerate(["one", " two"], start=3):
-                await reply.send(sse(openai_chunk(word)))
-                event = await next_event(node, run, seq - 1)
-                assert (event.kind, event.text) == (EventKind.DELTA, word)
-            await reply.send(sse(openai_chunk(finish_reason="stop")) + SSE_DONE)
-            await reply.finish()
-            record, _ = await wait_end(node, run)
-    assert (record.status, record.usage) == (RunStatus.SUCCEEDED, Usage("stop"))
-
-
 async def test_non_streamed_json_answer_is_accepted(server):
     completion = {
         "choices": [
@@ -170,18 +146,6 @@ async def test_non_streamed_json_answer_is_accepted(server):
     async with openai(server) as adapter:
         chunks = await collect(adapter, PROMPT)
     assert chunks == [Delta("whole"), Completion(Usage("stop", 3, 1))]
-
-
-async def test_runs_reuse_one_connection(server):
-    server.push(openai_reply(["a"]))
-    server.push(openai_reply(["b"]))
-    async with openai(server) as adapter:
-        await collect(adapter, PROMPT)
-        await collect(adapter, PROMPT)
-    assert [e.connection.id for e in server.exchanges] == [1, 1]
-
-
-# --- params -----------------------------------------------------------------------------------
 
 
 async def test_params_and_extra_body_map_to_the_body(server):
@@ -217,15 +181,6 @@ async def test_params_and_extra_body_map_to_the_body(server):
     }
 
 
-@pytest.mark.parametrize("params", [{"extra_body": "x"}, {"temperature": {0.5}}])
-async def test_bad_params_fail_before_any_request(server, params):
-    request = AdapterRequest(run_id="r", model="qwen", prompt="p", params=params)
-    async with openai(server) as adapter:
-        error = await failure(adapter, request)
-    assert error.reason == "invalid_params"
-    assert server.exchanges == []
-
-
 async def test_profile_params_and_run_options_reach_the_engine(server):
     server.push(openai_reply(["ok"]))
     async with openai(server) as adapter:
@@ -239,50 +194,6 @@ async def test_profile_params_and_run_options_reach_the_engine(server):
 
 
 # --- through the runtime ----------------------------------------------------------------------
-
-
-async def test_run_end_to_end_stores_deltas_and_usage(server):
-    server.push(openai_reply(["Hel", "lo"], usage=(4, 2)))
-    async with openai(server) as adapter:
-        node = make_node(adapter, model="qwen")
-        async with node.running():
-            record, events = await run_to_end(node, RunSpec("vllm/qwen", prompt="hi"))
-    assert [e.kind for e in events] == [
-        EventKind.QUEUED,
-        EventKind.STARTED,
-        EventKind.DELTA,
-        EventKind.DELTA,
-        EventKind.SUCCEEDED,
-    ]
-    assert "".join(e.text for e in events) == "Hello"
-    assert record.usage == Usage("stop", prompt_tokens=4, completion_tokens=2)
-
-
-async def test_two_runs_stream_at_once(server):
-    replies = [server.push(Reply(content_type=SSE, end="hang")) for _ in range(2)]
-    async with openai(server) as adapter:
-        node = make_node(adapter, model="qwen", concurrency=2)
-        async with node.running():
-            runs = {}
-            for prompt in ("A", "B"):
-                spec = RunSpec("vllm/qwen", prompt=prompt)
-                runs[prompt] = (await node.manager.submit(spec)).record.run_id
-            # both requests are open at the engine before either has an answer
-            exchanges = [await reply.request() for reply in replies]
-            by_prompt = {
-                e.json["messages"][0]["content"]: r for e, r in zip(exchanges, replies, strict=True)
-            }
-            await by_prompt["B"].send(sse(openai_chunk("b1")))
-            await by_prompt["A"].send(sse(openai_chunk("a1")))
-            for prompt, reply in by_prompt.items():
-                await reply.send(b"".join(openai_stream([prompt.lower() + "2"])))
-                await reply.finish()
-            results = {p: await wait_end(node, run) for p, run in runs.items()}
-    for prompt, (record, events) in results.items():
-        assert record.status is RunStatus.SUCCEEDED
-        text = "".join(e.text for e in events if e.kind is EventKind.DELTA)
-        assert text == f"{prompt.lower()}1{prompt.lower()}2"
-    assert exchanges[0].connection is not exchanges[1].connection
 
 
 async def run_failing(server: EngineServer, reply: Reply | None, **kw: Any) -> tuple[Any, Any]:
@@ -340,13 +251,6 @@ async def test_401_names_the_status(server):
     assert "HTTP 401 Unauthorized: Invalid API key (auth)" in record.message
 
 
-async def test_404_for_a_missing_model_is_model_not_found(server):
-    reply = openai_error(404, "The model `qwen` does not exist.", type="NotFoundError")
-    record, _ = await run_failing(server, reply)
-    assert (record.status, record.reason) == (RunStatus.FAILED, "model_not_found")
-    assert "The model `qwen` does not exist." in record.message
-
-
 @pytest.mark.parametrize(
     ("error_part", "words"),
     [
@@ -370,30 +274,6 @@ async def test_error_mid_stream_fails_the_run(server, error_part, words):
 
 
 @pytest.mark.parametrize(
-    "part",
-    [
-        b"data: {not json\n\n",
-        b"data: [1]\n\n",
-        b'data: {"choices": {"0": 1}}\n\n',
-        b'data: {"choices": [{"index": 0, "delta": {"content": 5}}]}\n\n',
-    ],
-)
-async def test_bad_data_is_bad_response(server, part):
-    record, _ = await run_failing(server, Reply(content_type=SSE, parts=[part, SSE_DONE]))
-    assert (record.status, record.reason) == (RunStatus.FAILED, "bad_response")
-    assert_names_engine(record.message, server.url)
-
-
-@pytest.mark.parametrize("content_length", [True, False])
-@pytest.mark.parametrize("content_type", [SSE, JSON])
-async def test_empty_200_is_empty_response(server, content_length, content_type):
-    reply = Reply(content_type=content_type, parts=[], content_length=content_length)
-    record, _ = await run_failing(server, reply)
-    assert (record.status, record.reason) == (RunStatus.FAILED, "empty_response")
-    assert_names_engine(record.message, server.url)
-
-
-@pytest.mark.parametrize(
     "parts",
     [
         openai_stream(["a"], done=False),
@@ -414,35 +294,6 @@ async def test_html_page_instead_of_a_stream_is_bad_response(server):
     assert "content-type 'text/html'" in record.message
 
 
-@pytest.mark.parametrize("end", ["abort", "reset"])
-async def test_connection_dropped_mid_stream_is_connection(server, end):
-    reply = openai_reply(["a"], done=False, usage=None, end=end)
-    record, events = await run_failing(server, reply)
-    assert (record.status, record.reason) == (RunStatus.FAILED, "connection")
-    assert_names_engine(record.message, server.url)
-    assert [e.text for e in events if e.kind is EventKind.DELTA] == ["a"]
-
-
-async def test_engine_that_never_answers_times_out(server):
-    reply = server.push(Reply.silent())
-    record, _ = await run_failing(server, None, read_timeout=0.5)
-    assert (record.status, record.reason) == (RunStatus.FAILED, "timeout")
-    assert "no response within 0.5s" in record.message
-    assert_names_engine(record.message, server.url)
-    with trio.fail_after(5):
-        await (await reply.request()).disconnected.wait()
-
-
-async def test_stream_that_stalls_times_out(server):
-    reply = server.push(Reply(content_type=SSE, parts=openai_stream(["a"])[:2], end="hang"))
-    record, events = await run_failing(server, None, read_timeout=0.5)
-    assert (record.status, record.reason) == (RunStatus.FAILED, "timeout")
-    assert "stalled: no data for 0.5s" in record.message
-    assert [e.text for e in events if e.kind is EventKind.DELTA] == ["a"]
-    with trio.fail_after(5):
-        await (await reply.request()).disconnected.wait()
-
-
 async def test_comments_alone_do_not_keep_a_stalled_stream_alive_forever(server):
     """A keep-alive comment resets the read timeout (it is data), then silence ends the run."""
     pace = trio.Event()
@@ -460,82 +311,14 @@ async def test_comments_alone_do_not_keep_a_stalled_stream_alive_forever(server)
     assert len(reply.written) == 2
 
 
-async def test_connection_refused_fails_the_run():
-    with refused_port() as port:
-        adapter = OpenAIAdapter("vllm", base_url=f"http://127.0.0.1:{port}", connect_timeout=5)
-        node = make_node(adapter, model="qwen")
-        async with node.running():
-            record, _ = await run_to_end(node, RunSpec("vllm/qwen", prompt="hi"))
-    assert (record.status, record.reason) == (RunStatus.FAILED, "connection")
-    assert f"openai engine at http://127.0.0.1:{port}{PATH} (model 'qwen')" in record.message
-
-
-# --- cancellation -----------------------------------------------------------------------------
-
-
-async def test_cancel_mid_stream_closes_the_http_stream(server):
-    reply = server.push(openai_reply(["first"], done=False, usage=None, end="hang"))
-    client, responses = recording_client()
-    async with client, openai(server, client=client) as adapter:
-        node = make_node(adapter, model="qwen")
-        async with node.running():
-            run = (await node.manager.submit(RunSpec("vllm/qwen", prompt="hi"))).record.run_id
-            assert (await next_event(node, run, 2)).text == "first"
-            exchange = await reply.request()
-            assert not exchange.disconnected.is_set()
-            outcome = await node.manager.cancel(run)
-            assert responses[0].is_closed
-            with trio.fail_after(5):
-                await exchange.disconnected.wait()
-            record, events = await wait_end(node, run)
-    assert outcome.cancelled
-    assert (record.status, record.reason) == (RunStatus.CANCELLED, "cancelled")
-    assert [e.kind for e in events] == [
-        EventKind.QUEUED,
-        EventKind.STARTED,
-        EventKind.DELTA,
-        EventKind.CANCELLED,
-    ]
-
-
-async def test_node_shutdown_closes_open_streams(server):
-    reply = server.push(openai_reply(["first"], done=False, usage=None, end="hang"))
-    async with openai(server) as adapter:
-        node = make_node(adapter, model="qwen")
-        async with node.running():
-            run = (await node.manager.submit(RunSpec("vllm/qwen", prompt="hi"))).record.run_id
-            await next_event(node, run, 2)
-        record = await node.store.get(run)
-        assert record is not None
-        assert (record.status, record.reason) == (RunStatus.CANCELLED, "node_shutdown")
-        with trio.fail_after(5):
-            await (await reply.request()).disconnected.wait()
-
-
-async def test_leaving_open_stream_early_closes_the_response_before_it_returns(server):
-    reply = server.push(openai_reply(["a", "b"], done=False, end="hang"))
-    client, responses = recording_client()
-    async with client, openai(server, client=client) as adapter:
-        async with adapter.open_stream(PROMPT) as chunks:
-            async for chunk in chunks:
-                assert chunk == Delta("a")
-                break
-        assert responses[0].is_closed
-        with trio.fail_after(5):
-            await (await reply.request()).disconnected.wait()
-
-
-# --- the adapter itself -----------------------------------------------------------------------
-
-
 def test_registry_builds_openai_adapters_and_repr_hides_the_key():
-    adapter = default_registry().create(
-        "openai", "vllm", base_url="http://gpu:8000", api_key="sk-secret", max_concurrency=4
-    )
+    settings = OpenAISettings(base_url="http://gpu:8000", api_key="sk-secret")
+    adapter = default_registry().create("openai", "vllm", settings, max_concurrency=4)
     assert isinstance(adapter, OpenAIAdapter)
     assert adapter.capabilities.max_concurrency == 4
     assert repr(adapter) == "<OpenAIAdapter 'vllm' base_url='http://gpu:8000' max_concurrency=4>"
     assert "sk-secret" not in repr(adapter)
+    assert "sk-secret" not in repr(settings)
 
 
 # --- the SSE decoder (sans-IO) ----------------------------------------------------------------

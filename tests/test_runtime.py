@@ -9,7 +9,7 @@ import trio
 import trio.testing
 
 from iop_trio.adapters import AdapterError
-from iop_trio.adapters.echo import EchoAdapter
+from iop_trio.adapters.echo import EchoAdapter, EchoSettings
 from iop_trio.runtime import (
     AdapterSlot,
     EventKind,
@@ -527,7 +527,7 @@ async def test_a_buggy_adapter_fails_its_run_and_the_node_goes_on():
 
 
 async def test_echo_streams_words_and_can_fail(autojump_clock):
-    echo = EchoAdapter(delay=0.5)
+    echo = EchoAdapter(settings=EchoSettings(delay=0.5))
     node = Node(
         node_id="t",
         adapters=[echo],

@@ -19,7 +19,7 @@ from trio_websocket import (
     serve_websocket,
 )
 
-from iop_trio.adapters.echo import EchoAdapter
+from iop_trio.adapters.echo import EchoAdapter, EchoSettings
 from iop_trio.edge import Edge, NodeHandle
 from iop_trio.protocol import ProtoConnection, Reply, Request, Role, pb
 from iop_trio.runtime import EventKind, Node, RunSpec, RunStatus, RuntimeLimits, TargetSpec
@@ -69,7 +69,7 @@ async def stack(
 def echo_node(*targets: tuple[str, int], delay: float = 0.0, **limits: object) -> Node:
     return Node(
         node_id="n1",
-        adapters=[CountingEcho(delay=delay)],
+        adapters=[CountingEcho(settings=EchoSettings(delay=delay))],
         targets=[TargetSpec("echo", model, concurrency=limit) for model, limit in targets],
         limits=RuntimeLimits(**limits),  # type: ignore[arg-type],
         store=MemoryStore(),

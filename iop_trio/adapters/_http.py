@@ -36,7 +36,7 @@ import attrs
 import httpx
 import trio
 
-from ..model import Capabilities
+from ..model import Capabilities, field_check, seconds_problem
 from .base import Adapter, AdapterError, AdapterRequest, Chunk
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -316,12 +316,40 @@ class SSEDecoder:
 # --- the adapter base ------------------------------------------------------------------------
 
 
-def _timeout(name: str, value: float | None, *, optional: bool = False) -> float | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValueError(f"{name} must be a number of seconds > 0, not {value!r}")
-    return float(value)
+def _url_problem(value: object) -> str | None:
+    try:
+        url = httpx.URL(value) if isinstance(value, str) else None
+    except httpx.InvalidURL:
+        url = None
+    if url is None or url.scheme not in ("http", "https") or not url.host:
+        return f"must be an http(s) URL, not {value!r}"
+    return None
+
+
+#: The check of an engine's ``base_url``.
+check_base_url = field_check(_url_problem)
+_seconds = field_check(lambda value: seconds_problem(value, positive=True))
+
+
+@attrs.frozen(kw_only=True)
+class HTTPSettings:
+    """How an HTTP adapter reaches its engine: the config keys its kinds share.
+
+    Timeouts (seconds): ``connect_timeout`` to open a connection (and to get
+    one from the pool), ``write_timeout`` to send the request, ``read_timeout``
+    for each wait on the engine, both for the response headers (which some
+    engines send only once the model is loaded) and between two chunks of
+    the stream; None waits for ever. ``headers`` go with every request (for a
+    proxy in front of the engine, say). Environment proxy settings are
+    ignored unless ``trust_env``. A bad value raises ValueError naming the key.
+    """
+
+    base_url: str = attrs.field(validator=check_base_url)
+    connect_timeout: float = attrs.field(default=DEFAULT_CONNECT_TIMEOUT, validator=_seconds)
+    read_timeout: float | None = attrs.field(default=DEFAULT_READ_TIMEOUT, validator=_seconds)
+    write_timeout: float = attrs.field(default=DEFAULT_WRITE_TIMEOUT, validator=_seconds)
+    headers: dict[str, str] = attrs.field(factory=dict)
+    trust_env: bool = False
 
 
 class EngineResponse:
@@ -414,50 +442,35 @@ class EngineStream:
 
 
 class HTTPAdapter(Adapter):
-    """Base of the HTTP adapters: URL, headers, timeouts and one shared httpx client.
+    """Base of the HTTP adapters: one shared httpx client, reaching the engine as ``settings`` say.
 
-    Timeouts: ``connect_timeout`` to open a connection (and to get one from
-    the pool), ``write_timeout`` to send the request, ``read_timeout`` for
-    each wait on the engine, both for the response headers (which some
-    engines send only once the model is loaded) and between two chunks of
-    the stream; None waits for ever. The client is made on first use and
-    closed by :meth:`aclose`; an injected ``client`` is used as it is (these
-    timeouts still apply to each request) and is left open for its owner.
-    Environment proxy settings are ignored unless ``trust_env=True``.
+    The client is made on first use and closed by :meth:`aclose`; an injected
+    ``client`` is used as it is (the settings' timeouts still apply to each
+    request) and is left open for its owner.
     """
+
+    settings_type = HTTPSettings
 
     def __init__(
         self,
         name: str,
+        settings: HTTPSettings,
         *,
-        base_url: str,
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        read_timeout: float | None = DEFAULT_READ_TIMEOUT,
-        write_timeout: float = DEFAULT_WRITE_TIMEOUT,
         max_concurrency: int | None = None,
-        headers: Mapping[str, str] | None = None,
         client: httpx.AsyncClient | None = None,
-        trust_env: bool = False,
     ) -> None:
         super().__init__(name, capabilities=Capabilities(max_concurrency=max_concurrency))
-        try:
-            url = httpx.URL(base_url)
-        except httpx.InvalidURL:
-            url = httpx.URL()
-        if url.scheme not in ("http", "https") or not url.host:
-            raise ValueError(f"{self.kind} base_url must be an http(s) URL, not {base_url!r}")
-        self.base_url = base_url.rstrip("/")
-        connect = _timeout("connect_timeout", connect_timeout)
+        self.settings = settings
+        self.base_url = settings.base_url.rstrip("/")
+        read = settings.read_timeout
         self.timeout = httpx.Timeout(
-            connect=connect,
-            read=_timeout("read_timeout", read_timeout, optional=True),
-            write=_timeout("write_timeout", write_timeout),
-            pool=connect,
+            connect=float(settings.connect_timeout),
+            read=None if read is None else float(read),
+            write=float(settings.write_timeout),
+            pool=float(settings.connect_timeout),
         )
-        self.headers: dict[str, str] = dict(headers or {})
         self._client = client
         self._owns_client = client is None
-        self._trust_env = trust_env
 
     def __repr__(self) -> str:
         cap = self.capabilities.max_concurrency
@@ -479,7 +492,7 @@ class HTTPAdapter(Adapter):
             self._client = httpx.AsyncClient(
                 timeout=self.timeout,
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
-                trust_env=self._trust_env,
+                trust_env=self.settings.trust_env,
             )
             self._owns_client = True
         return self._client
@@ -496,7 +509,7 @@ class HTTPAdapter(Adapter):
 
     def request_headers(self) -> dict[str, str]:
         """Headers of every request (subclasses add e.g. Authorization)."""
-        return dict(self.headers)
+        return dict(self.settings.headers)
 
     @asynccontextmanager
     async def post_stream(

@@ -66,10 +66,22 @@ class AdapterError(Exception):
         return f"AdapterError({self.reason!r}, {self.message!r})"
 
 
+@attrs.frozen
+class NoSettings:
+    """The settings of an adapter kind that takes none."""
+
+
 class Adapter(abc.ABC):
-    """Base class of adapters. Subclasses set ``kind`` and implement ``open_stream``."""
+    """Base class of adapters. Subclasses set ``kind`` and implement ``open_stream``.
+
+    A kind with config keys sets ``settings_type`` to an attrs class holding
+    them (config structures a configured adapter's keys into it) and takes an
+    instance as its constructor's second argument; the registry builds
+    configured adapters as ``kind_class(name, settings, max_concurrency=...)``.
+    """
 
     kind: ClassVar[str]
+    settings_type: ClassVar[type[Any]] = NoSettings
 
     def __init__(self, name: str, *, capabilities: Capabilities | None = None) -> None:
         self.name = name

@@ -18,9 +18,10 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
+import attrs
 import trio
 
-from ..model import Capabilities, Usage
+from ..model import Capabilities, Usage, field_check, limit_problem, seconds_problem
 from .base import Adapter, AdapterError, AdapterRequest, Chunk, Completion, Delta
 
 _WORD = re.compile(r"\S+\s*|\s+")
@@ -33,22 +34,29 @@ def _number(params: Mapping[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
+@attrs.frozen(kw_only=True)
+class EchoSettings:
+    """The config keys of kind ``echo``: its ``delay`` and ``fail_after`` when a run sets none."""
+
+    delay: float = attrs.field(default=0.0, validator=field_check(seconds_problem))
+    fail_after: int | None = attrs.field(default=None, validator=field_check(limit_problem))
+
+
 class EchoAdapter(Adapter):
     """Echo adapter. ``opened``/``closed`` count streams, so tests can see a close."""
 
     kind = "echo"
+    settings_type = EchoSettings
 
     def __init__(
         self,
         name: str = "echo",
+        settings: EchoSettings | None = None,
         *,
-        delay: float = 0.0,
-        fail_after: int | None = None,
         max_concurrency: int | None = None,
     ) -> None:
         super().__init__(name, capabilities=Capabilities(max_concurrency=max_concurrency))
-        self.delay = delay
-        self.fail_after = fail_after
+        self.settings = settings or EchoSettings()
         self.opened = 0
         self.closed = 0
 
@@ -60,8 +68,8 @@ class EchoAdapter(Adapter):
     @asynccontextmanager
     async def open_stream(self, request: AdapterRequest) -> AsyncIterator[AsyncIterator[Chunk]]:
         params = request.params
-        delay = _number(params, "delay", self.delay)
-        fail_after = params.get("fail_after", self.fail_after)
+        delay = _number(params, "delay", self.settings.delay)
+        fail_after = params.get("fail_after", self.settings.fail_after)
         if fail_after is not None:
             fail_after = int(_number(params, "fail_after", 0))
         repeat = int(_number(params, "repeat", 1))

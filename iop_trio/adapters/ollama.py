@@ -35,18 +35,18 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
+import attrs
 import httpx
 
 from ..model import Usage
 from ._http import (
-    DEFAULT_CONNECT_TIMEOUT,
-    DEFAULT_READ_TIMEOUT,
-    DEFAULT_WRITE_TIMEOUT,
     EngineResponse,
     EngineStream,
     HTTPAdapter,
+    HTTPSettings,
     LineSplitter,
     LineTooLong,
+    check_base_url,
     json_error,
     parse_json,
     quote,
@@ -92,39 +92,31 @@ def _count(obj: Mapping[str, Any], key: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-class OllamaAdapter(HTTPAdapter):
-    """Ollama at ``base_url`` (e.g. ``http://127.0.0.1:11434``); see the module docstring.
+@attrs.frozen(kw_only=True)
+class OllamaSettings(HTTPSettings):
+    """The config keys of kind ``ollama``: those of every HTTP adapter, with Ollama's
+    default address."""
 
-    ``headers`` are sent with every request (e.g. for a proxy in front of
-    Ollama). Timeouts and the shared client are described in
-    :class:`~iop_trio.adapters._http.HTTPAdapter`.
-    """
+    base_url: str = attrs.field(default="http://127.0.0.1:11434", validator=check_base_url)
+
+
+class OllamaAdapter(HTTPAdapter):
+    """Ollama at ``settings.base_url``; see the module docstring and
+    :class:`~iop_trio.adapters._http.HTTPAdapter`."""
 
     kind = "ollama"
+    settings_type = OllamaSettings
 
     def __init__(
         self,
         name: str = "ollama",
+        settings: HTTPSettings | None = None,
         *,
-        base_url: str = "http://127.0.0.1:11434",
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        read_timeout: float | None = DEFAULT_READ_TIMEOUT,
-        write_timeout: float = DEFAULT_WRITE_TIMEOUT,
         max_concurrency: int | None = None,
-        headers: Mapping[str, str] | None = None,
         client: httpx.AsyncClient | None = None,
-        trust_env: bool = False,
     ) -> None:
         super().__init__(
-            name,
-            base_url=base_url,
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            write_timeout=write_timeout,
-            max_concurrency=max_concurrency,
-            headers=headers,
-            client=client,
-            trust_env=trust_env,
+            name, settings or OllamaSettings(), max_concurrency=max_concurrency, client=client
         )
 
     def url(self, request: AdapterRequest) -> str:

@@ -33,17 +33,16 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
+import attrs
 import httpx
 
 from ..model import Usage
 from ._http import (
-    DEFAULT_CONNECT_TIMEOUT,
-    DEFAULT_READ_TIMEOUT,
-    DEFAULT_WRITE_TIMEOUT,
     MAX_LINE,
     EngineResponse,
     EngineStream,
     HTTPAdapter,
+    HTTPSettings,
     LineTooLong,
     SSEDecoder,
     json_error,
@@ -119,46 +118,38 @@ class _Progress:
         raise AdapterError("bad_response", f"{where}: content is not a string: {content!r}")
 
 
-class OpenAIAdapter(HTTPAdapter):
-    """An OpenAI-compatible server at ``base_url``; see the module docstring.
+@attrs.frozen(kw_only=True)
+class OpenAISettings(HTTPSettings):
+    """The config keys of kind ``openai``: those of every HTTP adapter, and
 
-    ``api_key`` is sent as ``Authorization: Bearer ...`` (never shown by
-    ``repr``). ``include_usage`` sends ``stream_options: {"include_usage":
-    true}`` so the server reports token counts; turn it off for servers that
-    reject unknown fields. Timeouts and the shared client are described in
-    :class:`~iop_trio.adapters._http.HTTPAdapter`.
+    ``api_key``, sent as ``Authorization: Bearer ...`` (never shown by
+    ``repr``); ``include_usage``, which sends ``stream_options:
+    {"include_usage": true}`` so the server reports token counts (turn it off
+    for servers that reject unknown fields).
     """
 
+    api_key: str | None = attrs.field(default=None, repr=False)
+    include_usage: bool = True
+
+
+class OpenAIAdapter(HTTPAdapter):
+    """An OpenAI-compatible server at ``settings.base_url``; see the module docstring and
+    :class:`~iop_trio.adapters._http.HTTPAdapter`."""
+
     kind = "openai"
+    settings_type = OpenAISettings
 
     def __init__(
         self,
-        name: str = "openai",
+        name: str,
+        settings: OpenAISettings,
         *,
-        base_url: str,
-        api_key: str | None = None,
-        include_usage: bool = True,
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        read_timeout: float | None = DEFAULT_READ_TIMEOUT,
-        write_timeout: float = DEFAULT_WRITE_TIMEOUT,
         max_concurrency: int | None = None,
-        headers: Mapping[str, str] | None = None,
         client: httpx.AsyncClient | None = None,
-        trust_env: bool = False,
     ) -> None:
-        super().__init__(
-            name,
-            base_url=base_url,
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            write_timeout=write_timeout,
-            max_concurrency=max_concurrency,
-            headers=headers,
-            client=client,
-            trust_env=trust_env,
-        )
-        self.api_key = api_key
-        self.include_usage = include_usage
+        super().__init__(name, settings, max_concurrency=max_concurrency, client=client)
+        self.api_key = settings.api_key
+        self.include_usage = settings.include_usage
         root = self.base_url if self.base_url.endswith("/v1") else self.base_url + "/v1"
         self.endpoint = root + "/chat/completions"
 

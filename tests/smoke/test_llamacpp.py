@@ -24,7 +24,7 @@ import httpx
 import pytest
 import trio
 
-from iop_trio.adapters.openai import OpenAIAdapter
+from iop_trio.adapters.openai import OpenAIAdapter, OpenAISettings
 from iop_trio.runtime import (
     EventKind,
     Node,
@@ -122,7 +122,7 @@ def llama_server() -> Iterator[str]:
 
 
 def make_node(url: str, *, concurrency: int = 1, **params: object) -> Node:
-    adapter = OpenAIAdapter("llama", base_url=url, read_timeout=RUN_TIMEOUT)
+    adapter = OpenAIAdapter("llama", OpenAISettings(base_url=url, read_timeout=RUN_TIMEOUT))
     target = TargetSpec(
         "llama",
         "gemma",

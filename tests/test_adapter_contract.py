@@ -1,0 +1,463 @@
+"""The contract of every HTTP adapter, run against each engine's wire format.
+
+Each test takes ``wire`` (:data:`tests.engines.WIRES`: Ollama's NDJSON, OpenAI's
+server-sent events) and a real local HTTP server speaking it, the way
+``test_store_contract.py`` serves both stores. What only one engine does
+(its request body, its stream format's corners) is in its own file.
+
+Real clock: sockets are involved. Nothing sleeps; the tests wait on
+server-side events, under ``trio.fail_after`` bounds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from iop_trio.adapters import AdapterRequest, Delta
+from iop_trio.adapters._http import transport_error
+from iop_trio.runtime import EventKind, RunSpec, RunStatus, Usage
+
+from .engines import (
+    WIRES,
+    EngineServer,
+    Reply,
+    Wire,
+    collect,
+    failure,
+    make_node,
+    next_event,
+    recording_client,
+    refused_port,
+    run_to_end,
+    serve,
+    wait_end,
+)
+
+
+@pytest.fixture(params=WIRES, ids=repr)
+def wire(request: pytest.FixtureRequest) -> Wire:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[EngineServer]:
+    async with serve() as s:
+        yield s
+
+
+def prompt(wire: Wire) -> AdapterRequest:
+    return AdapterRequest(run_id="r1", model=wire.model, prompt="hi")
+
+
+def spec(wire: Wire, text: str = "hi") -> RunSpec:
+    return RunSpec(wire.target, prompt=text)
+
+
+def assert_names_engine(wire: Wire, message: str, url: str) -> None:
+    assert f"{url}{wire.path}" in message
+    assert f"'{wire.model}'" in message
+
+
+async def run_failing(
+    wire: Wire, server: EngineServer, reply: Reply | None, **settings: Any
+) -> tuple[Any, Any]:
+    if reply is not None:
+        server.push(reply)
+    async with wire.adapter(server.url, **settings) as adapter:
+        node = make_node(adapter, model=wire.model)
+        async with node.running():
+            return await run_to_end(node, spec(wire))
+
+
+def deltas(events: Any) -> list[str]:
+    return [e.text for e in events if e.kind is EventKind.DELTA]
+
+
+# --- streaming --------------------------------------------------------------------------------
+
+
+async def test_deltas_arrive_as_the_engine_sends_them(wire, server):
+    """Chunk pacing is the server's: each delta is a run event before the next is sent."""
+    reply = server.push(Reply(content_type=wire.content_type, end="hang"))
+    async with wire.adapter(server.url) as adapter:
+        node = make_node(adapter, model=wire.model)
+        async with node.running():
+            run = (await node.manager.submit(spec(wire))).record.run_id
+            await reply.request()
+            assert (await next_event(node, run, 1)).kind is EventKind.STARTED
+            for seq, word in enumerate(["one", " two", " three"], start=3):
+                await reply.send(wire.piece(word))
+                event = await next_event(node, run, seq - 1)
+                assert (event.seq, event.kind, event.text) == (seq, EventKind.DELTA, word)
+            await reply.send(wire.end(Usage("stop", 5, 3)))
+            await reply.finish()
+            record, events = await wait_end(node, run)
+    assert record.status is RunStatus.SUCCEEDED
+    assert record.usage == Usage("stop", prompt_tokens=5, completion_tokens=3)
+    assert [e.kind for e in events][-1] is EventKind.SUCCEEDED
+
+
+async def test_run_end_to_end_stores_deltas_and_usage(wire, server):
+    server.push(wire.reply(["Hel", "lo"], usage=Usage("stop", 4, 2)))
+    async with wire.adapter(server.url) as adapter:
+        node = make_node(adapter, model=wire.model)
+        async with node.running():
+            record, events = await run_to_end(node, spec(wire))
+    assert [e.kind for e in events] == [
+        EventKind.QUEUED,
+        EventKind.STARTED,
+        EventKind.DELTA,
+        EventKind.DELTA,
+        EventKind.SUCCEEDED,
+    ]
+    assert "".join(e.text for e in events) == "Hello"
+    assert record.status is RunStatus.SUCCEEDED
+    assert record.usage == Usage("stop", prompt_tokens=4, completion_tokens=2)
+
+
+async def test_runs_reuse_one_connection(wire, server):
+    server.push(wire.reply(["a"]))
+    server.push(wire.reply(["b"]))
+    async with wire.adapter(server.url) as adapter:
+        await collect(adapter, prompt(wire))
+        await collect(adapter, prompt(wire))
+    assert [e.connection.id for e in server.exchanges] == [1, 1]
+
+
+async def test_two_runs_stream_at_once(wire, server):
+    replies = [server.push(Reply(content_type=wire.content_type, end="hang")) for _ in range(2)]
+    async with wire.adapter(server.url) as adapter:
+        node = make_node(adapter, model=wire.model, concurrency=2)
+        async with node.running():
+            runs = {}
+            for text in ("A", "B"):
+                runs[text] = (await node.manager.submit(spec(wire, text))).record.run_id
+            # both requests are open at the engine before either has an answer
+            exchanges = [await reply.request() for reply in replies]
+            by_prompt = {wire.prompt_of(e.json): r for e, r in zip(exchanges, replies, strict=True)}
+            await by_prompt["B"].send(wire.piece("b1"))
+            await by_prompt["A"].send(wire.piece("a1"))
+            for text, reply in by_prompt.items():
+                await reply.send(wire.piece(text.lower() + "2") + wire.end(Usage("stop")))
+                await reply.finish()
+            results = {p: await wait_end(node, run) for p, run in runs.items()}
+    for text, (record, events) in results.items():
+        assert record.status is RunStatus.SUCCEEDED
+        assert "".join(deltas(events)) == f"{text.lower()}1{text.lower()}2"
+    assert exchanges[0].connection is not exchanges[1].connection
+
+
+# --- params -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("wire", "params"),
+    [(wire, params) for wire in WIRES for params in wire.bad_params],
+    ids=repr,
+)
+async def test_bad_params_fail_before_any_request(wire, server, params):
+    request = AdapterRequest(run_id="r", model=wire.model, prompt="p", params=params)
+    async with wire.adapter(server.url) as adapter:
+        error = await failure(adapter, request)
+    assert error.reason == "invalid_params"
+    assert server.exchanges == []
+
+
+# --- failures ---------------------------------------------------------------------------------
+
+
+async def test_error_status_fails_the_run_with_the_engine_message(wire, server):
+    reply = wire.error(500, "llama runner process has terminated: signal: killed")
+    record, events = await run_failing(wire, server, reply)
+    assert (record.status, record.reason) == (RunStatus.FAILED, "engine_error")
+    assert "HTTP 500" in record.message
+    assert "llama runner process has terminated: signal: killed" in record.message
+    assert_names_engine(wire, record.message, server.url)
+    assert events[-1].kind is EventKind.FAILED
+
+
+async def test_404_for_a_missing_model_is_model_not_found(wire, server):
+    record, _ = await run_failing(wire, server, wire.error(404, f"model '{wire.model}' not found"))
+    assert (record.status, record.reason) == (RunStatus.FAILED, "model_not_found")
+    assert f"model '{wire.model}' not found" in record.message
+
+
+async def test_404_of_another_server_is_an_engine_error(wire, server):
+    reply = Reply(404, content_type="text/plain", parts=[b"404 page not found"])
+    record, _ = await run_failing(wire, server, reply)
+    assert (record.reason, record.status) == ("engine_error", RunStatus.FAILED)
+    assert "HTTP 404 Not Found: 404 page not found" in record.message
+
+
+async def test_error_mid_stream_fails_the_run(wire, server):
+    parts = [wire.piece("partial"), wire.error_part]
+    record, events = await run_failing(
+        wire, server, Reply(content_type=wire.content_type, parts=parts)
+    )
+    assert (record.status, record.reason) == (RunStatus.FAILED, "engine_error")
+    assert wire.error_words in record.message
+    assert_names_engine(wire, record.message, server.url)
+    assert deltas(events) == ["partial"]
+
+
+@pytest.mark.parametrize(
+    ("wire", "part"), [(wire, part) for wire in WIRES for part in wire.bad_parts], ids=repr
+)
+async def test_bad_data_is_bad_response(wire, server, part):
+    reply = Reply(content_type=wire.content_type, parts=[wire.piece("a"), part, wire.end(Usage())])
+    record, _ = await run_failing(wire, server, reply)
+    assert (record.status, record.reason) == (RunStatus.FAILED, "bad_response")
+    assert_names_engine(wire, record.message, server.url)
+
+
+@pytest.mark.parametrize("content_length", [True, False])
+@pytest.mark.parametrize(
+    ("wire", "content_type"),
+    [(wire, kind) for wire in WIRES for kind in wire.empty_content_types],
+    ids=repr,
+)
+async def test_empty_200_is_empty_response(wire, server, content_type, content_length):
+    reply = Reply(content_type=content_type, parts=[], content_length=content_length)
+    record, _ = await run_failing(wire, server, reply)
+    assert (record.status, record.reason) == (RunStatus.FAILED, "empty_response")
+    assert_names_engine(wire, record.message, server.url)
+
+
+async def test_stream_without_its_end_is_truncated(wire, server):
+    record, events = await run_failing(wire, server, wire.reply(["a", "b"], done=False))
+    assert (record.status, record.reason) == (RunStatus.FAILED, "bad_response")
+    assert "truncated" in record.message
+    assert deltas(events) == ["a", "b"]
+
+
+@pytest.mark.parametrize("end", ["abort", "reset"])
+async def test_connection_dropped_mid_stream_is_connection(wire, server, end):
+    record, events = await run_failing(wire, server, wire.reply(["a"], done=False, end=end))
+    assert (record.status, record.reason) == (RunStatus.FAILED, "connection")
+    assert_names_engine(wire, record.message, server.url)
+    assert deltas(events) == ["a"]
+
+
+async def test_closed_without_a_response_is_connection(wire, server):
+    record, _ = await run_failing(wire, server, Reply(end="abort", headers_now=False))
+    assert (record.status, record.reason) == (RunStatus.FAILED, "connection")
+    assert "before responding" in record.message
+
+
+async def test_engine_that_never_answers_times_out(wire, server):
+    reply = server.push(Reply.silent())
+    record, _ = await run_failing(wire, server, None, read_timeout=0.5)
+    assert (record.status, record.reason) == (RunStatus.FAILED, "timeout")
+    assert "no response within 0.5s" in record.message
+    assert_names_engine(wire, record.message, server.url)
+    exchange = await reply.request()
+    with trio.fail_after(5):
+        await exchange.disconnected.wait()
+
+
+async def test_stream_that_stalls_times_out(wire, server):
+    reply = server.push(wire.reply(["a"], done=False, end="hang"))
+    record, events = await run_failing(wire, server, None, read_timeout=0.5)
+    assert (record.status, record.reason) == (RunStatus.FAILED, "timeout")
+    assert "stalled: no data for 0.5s" in record.message
+    assert deltas(events) == ["a"]
+    with trio.fail_after(5):
+        await (await reply.request()).disconnected.wait()
+
+
+async def test_connection_refused_fails_the_run(wire):
+    with refused_port() as port:
+        url = f"http://127.0.0.1:{port}"
+        adapter = wire.adapter(url)
+        node = make_node(adapter, model=wire.model)
+        async with node.running():
+            record, _ = await run_to_end(node, spec(wire))
+    assert (record.status, record.reason) == (RunStatus.FAILED, "connection")
+    assert f"{wire.kind} engine at {url}{wire.path} (model '{wire.model}')" in record.message
+    assert "cannot connect" in record.message
+
+
+# --- cancellation -----------------------------------------------------------------------------
+
+
+async def test_cancel_mid_stream_closes_the_http_stream(wire, server):
+    reply = server.push(wire.reply(["first"], done=False, end="hang"))
+    client, responses = recording_client()
+    async with client, wire.adapter(server.url, client=client) as adapter:
+        node = make_node(adapter, model=wire.model)
+        async with node.running():
+            run = (await node.manager.submit(spec(wire))).record.run_id
+            assert (await next_event(node, run, 2)).text == "first"
+            exchange = await reply.request()
+            assert not exchange.disconnected.is_set()
+            outcome = await node.manager.cancel(run, reason="user asked")
+            # closed before the run's end was recorded, not later by the garbage collector
+            assert responses[0].is_closed
+            with trio.fail_after(5):
+                await exchange.disconnected.wait()
+            record, events = await wait_end(node, run)
+    assert outcome.cancelled
+    assert (record.status, record.reason) == (RunStatus.CANCELLED, "user asked")
+    assert [e.kind for e in events] == [
+        EventKind.QUEUED,
+        EventKind.STARTED,
+        EventKind.DELTA,
+        EventKind.CANCELLED,
+    ]
+    assert exchange.connection.closed_by_client
+
+
+async def test_cancel_while_waiting_for_headers_closes_the_connection(wire, server):
+    reply = server.push(Reply.silent())
+    async with wire.adapter(server.url) as adapter:
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+
+                async def cancel_when_asked() -> None:
+                    await reply.request()
+                    scope.cancel()
+
+                nursery.start_soon(cancel_when_asked)
+                await collect(adapter, prompt(wire))
+        assert scope.cancelled_caught
+        with trio.fail_after(5):
+            await (await reply.request()).disconnected.wait()
+
+
+async def test_cancelled_open_stream_closes_the_response_before_it_returns(wire, server):
+    reply = server.push(wire.reply(["a", "b"], done=False, end="hang"))
+    client, responses = recording_client()
+    async with client, wire.adapter(server.url, client=client) as adapter:
+        with trio.CancelScope() as scope:
+            async with adapter.open_stream(prompt(wire)) as chunks:
+                async for chunk in chunks:
+                    assert chunk == Delta("a")
+                    scope.cancel()
+                    await trio.lowlevel.checkpoint()
+        assert scope.cancelled_caught
+        assert responses[0].is_closed
+        with trio.fail_after(5):
+            await (await reply.request()).disconnected.wait()
+
+
+async def test_leaving_open_stream_early_closes_the_response_before_it_returns(wire, server):
+    reply = server.push(wire.reply(["a", "b"], done=False, end="hang"))
+    client, responses = recording_client()
+    async with client, wire.adapter(server.url, client=client) as adapter:
+        async with adapter.open_stream(prompt(wire)) as chunks:
+            async for chunk in chunks:
+                assert chunk == Delta("a")
+                break
+        assert responses[0].is_closed
+        with trio.fail_after(5):
+            await (await reply.request()).disconnected.wait()
+
+
+async def test_node_shutdown_closes_open_streams(wire, server):
+    reply = server.push(wire.reply(["first"], done=False, end="hang"))
+    async with wire.adapter(server.url) as adapter:
+        node = make_node(adapter, model=wire.model)
+        async with node.running():
+            run = (await node.manager.submit(spec(wire))).record.run_id
+            await next_event(node, run, 2)
+        record = await node.store.get(run)
+        assert record is not None
+        assert (record.status, record.reason) == (RunStatus.CANCELLED, "node_shutdown")
+        with trio.fail_after(5):
+            await (await reply.request()).disconnected.wait()
+
+
+# --- the adapter itself -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"base_url": "ftp://x"},
+        {"base_url": "localhost:11434"},
+        {"base_url": "http://[::1"},
+        {"connect_timeout": 0},
+        {"read_timeout": -1},
+        {"write_timeout": "1"},
+    ],
+)
+def test_bad_settings_are_a_value_error_naming_the_key(wire, bad):
+    settings = {"base_url": "http://127.0.0.1:11434", **bad}
+    with pytest.raises(
+        ValueError, match=r"base_url: must be|_timeout: must be a number of seconds > 0"
+    ):
+        wire.settings_type(**settings)
+
+
+def test_max_concurrency_is_a_capability(wire):
+    assert wire.adapter("http://e:1", max_concurrency=2).capabilities.max_concurrency == 2
+
+
+async def test_aclose_closes_its_own_client_not_an_injected_one(wire):
+    own = wire.adapter("http://e:1")
+    client = own.client
+    await own.aclose()
+    assert client.is_closed
+    assert own.client is not client  # made again on use
+    await own.aclose()
+
+    injected = httpx.AsyncClient()
+    adapter = wire.adapter("http://e:1", client=injected)
+    assert adapter.client is injected
+    await adapter.aclose()
+    assert not injected.is_closed
+    await injected.aclose()
+
+
+def failing_client(exc: Callable[[httpx.Request], Exception]) -> httpx.AsyncClient:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise exc(request)
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+
+@pytest.mark.parametrize(
+    ("exc", "reason", "words"),
+    [
+        (
+            lambda r: httpx.ConnectTimeout("t", request=r),
+            "timeout",
+            "could not connect within 5.0s",
+        ),
+        (lambda r: httpx.PoolTimeout("t", request=r), "timeout", "no free connection"),
+        (lambda r: httpx.WriteTimeout("t", request=r), "timeout", "could not send the request"),
+        (
+            lambda r: httpx.ConnectError("[Errno -2] Name or service not known", request=r),
+            "connection",
+            "cannot connect: [Errno -2] Name or service not known",
+        ),
+        (lambda r: httpx.ReadError("reset by peer", request=r), "connection", "connection lost"),
+        (lambda r: httpx.ProxyError("no proxy", request=r), "connection", "connection lost"),
+        (lambda r: httpx.UnsupportedProtocol("h9", request=r), "connection", "h9"),
+        (lambda r: httpx.DecodingError("bad gzip", request=r), "bad_response", "bad gzip"),
+        (lambda r: httpx.LocalProtocolError("odd", request=r), "engine_error", "odd"),
+    ],
+)
+async def test_transport_errors_map_to_reasons(wire, exc, reason, words):
+    adapter = wire.adapter("http://engine:11434", connect_timeout=5, client=failing_client(exc))
+    error = await failure(adapter, prompt(wire))
+    assert error.reason == reason
+    assert words in error.message
+    assert error.message.startswith(
+        f"{wire.kind} engine at http://engine:11434{wire.path} (model '{wire.model}')"
+    )
+    await adapter.client.aclose()
+
+
+def test_transport_error_for_a_stalled_stream_says_so():
+    timeout = httpx.Timeout(1.0, read=2.5)
+    error = transport_error(httpx.ReadTimeout("x"), "here", timeout, streaming=True)
+    assert (error.reason, error.message) == (
+        "timeout",
+        "here: the stream stalled: no data for 2.5s",
+    )
