@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -30,12 +31,11 @@ import trio
 
 from . import __version__
 from .config import ConfigError, NodeConfig, load_config
-from .httpserver import serve_http
 from .lifecycle import RunState
 from .logs import setup_logging
 from .metrics import NodeMetrics
 from .model import RunEvent, RunRecord, RunSpec, RunStatus
-from .ops import ops_routes, record_json
+from .ops import OpsApp, record_json, serve_ops
 from .runtime import Node
 from .store import RunStore, StoreError
 
@@ -182,41 +182,46 @@ async def serve(
         node.event_listeners.append(_log_run_end)
         metrics = NodeMetrics(node)
         metrics.attach()
-        async with node.running(), trio.open_nursery() as nursery:
+        ops_stop = trio.Event()
+        async with node.running(), trio.open_nursery() as ops:
+            # the ops endpoints outlive the rest, so /healthz says "draining" during a drain
             if config.metrics.address is not None:
                 host, port = config.metrics.address
-                bound = await nursery.start(_serve_ops, node, metrics, host, port)
+                app = OpsApp(node, metrics)
+                bound = await ops.start(partial(serve_ops, app, host, port, shutdown=ops_stop))
                 log.info("metrics on http://%s:%d/metrics", host, bound)
                 if lock is not None:
                     lock.note(f"http://{host}:{bound}")
-            client: NodeLink | None = None
-            if config.edge.url:
-                client = NodeLink(
-                    node,
-                    config.edge.url,
-                    token=config.edge_token(),
-                    settings=SessionSettings(
-                        ping_interval=config.edge.ping_interval,
-                        ping_timeout=config.edge.ping_timeout,
-                        max_message_size=config.edge.max_message_size,
-                    ),
-                    backoff=Backoff(
-                        initial=config.edge.backoff_initial, maximum=config.edge.backoff_max
-                    ),
+            async with trio.open_nursery() as nursery:
+                link: NodeLink | None = None
+                if config.edge.url:
+                    link = NodeLink(
+                        node,
+                        config.edge.url,
+                        token=config.edge_token(),
+                        settings=SessionSettings(
+                            ping_interval=config.edge.ping_interval,
+                            ping_timeout=config.edge.ping_timeout,
+                            max_message_size=config.edge.max_message_size,
+                        ),
+                        backoff=Backoff(
+                            initial=config.edge.backoff_initial, maximum=config.edge.backoff_max
+                        ),
+                    )
+                    nursery.start_soon(link.run)
+                nursery.start_soon(_prune_loop, store, config)
+                log.info(
+                    "node %s serving %s",
+                    config.node_id,
+                    ", ".join(node.targets),
+                    extra={"node_id": config.node_id, "version": __version__},
                 )
-                nursery.start_soon(client.run)
-            nursery.start_soon(_prune_loop, store, config)
-            log.info(
-                "node %s serving %s",
-                config.node_id,
-                ", ".join(node.targets),
-                extra={"node_id": config.node_id, "version": __version__},
-            )
-            task_status.started(node)
-            await _wait_and_drain(node, config.runtime.drain_timeout)
-            if client is not None:
-                await client.aclose("node stopping")
-            nursery.cancel_scope.cancel()
+                task_status.started(node)
+                await _wait_and_drain(node, config.runtime.drain_timeout)
+                if link is not None:
+                    await link.aclose("node stopping")
+                nursery.cancel_scope.cancel()
+            ops_stop.set()
     finally:
         with trio.CancelScope(shield=True):
             await store.aclose()
@@ -245,17 +250,6 @@ async def _wait_and_drain(node: Node, grace: float) -> None:
             cancelled = await node.manager.drain(grace)
             nursery.cancel_scope.cancel()
     log.info("drained; %d runs were cancelled", cancelled, extra={"cancelled": cancelled})
-
-
-async def _serve_ops(
-    node: Node,
-    metrics: NodeMetrics,
-    host: str,
-    port: int,
-    *,
-    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    await serve_http(ops_routes(node, metrics), host, port, task_status=task_status)
 
 
 # --- runs -----------------------------------------------------------------------------------

@@ -65,5 +65,5 @@ def setup_logging(level: str = "info", fmt: str = "text", stream: TextIO | None 
     root.addHandler(handler)
     root.setLevel(level.upper())
     # per-frame chatter from libraries stays out of info logs
-    for noisy in ("trio-websocket", "httpx", "httpcore"):
+    for noisy in ("trio-websocket", "httpx", "httpcore", "hypercorn"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

@@ -5,7 +5,9 @@
     metrics = NodeMetrics(node)
     metrics.attach()                       # before the node runs, so no run is missed
     async with node.running(), trio.open_nursery() as nursery:
-        await nursery.start(serve_http, metrics.routes(), "127.0.0.1", 9464)
+        await nursery.start(serve_ops, OpsApp(node, metrics), "127.0.0.1", 9464)
+
+(:mod:`iop_trio.ops` serves ``/metrics`` with prometheus_client's ASGI app.)
 
 Two kinds of metric (the table of names is :data:`METRICS`):
 
@@ -43,8 +45,8 @@ from collections.abc import Callable, Iterable, Mapping
 import attrs
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import RestrictedRegistry
 
-from .httpserver import HttpRequest, HttpResponse, Route
 from .model import EventKind, RejectReason, RunEvent, RunRecord, RunStatus
 from .runtime import Node
 from .runtime.gate import LimiterStats
@@ -259,8 +261,13 @@ class _GateCollector:
 class _WithoutCreated:
     """A view of a registry without the ``<name>_created`` samples."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry | RestrictedRegistry) -> None:
         self._registry = registry
+
+    def restricted_registry(self, names: Iterable[str]) -> _WithoutCreated:
+        """The same view of only the metrics ``names`` (``/metrics?name[]=...``)."""
+        assert isinstance(self._registry, CollectorRegistry)
+        return _WithoutCreated(self._registry.restricted_registry(names))
 
     def collect(self) -> Iterable[Metric]:
         for metric in self._registry.collect():
@@ -472,7 +479,12 @@ class NodeMetrics:
         histograms (their creation times, shown as extra gauges in this
         format) are left out: they double the output and say nothing here.
         """
-        return generate_latest(_WithoutCreated(self.registry))
+        return generate_latest(self.exposition())
+
+    def exposition(self) -> _WithoutCreated:
+        """The registry as it is exposed (without the ``*_created`` series), for
+        :func:`prometheus_client.make_asgi_app`."""
+        return _WithoutCreated(self.registry)
 
     def health(self) -> tuple[bool, str]:
         """(healthy, why): healthy while the node runs and admits runs."""
@@ -483,22 +495,6 @@ class NodeMetrics:
         if not manager.admitting:
             return False, "draining: the node admits no new runs"
         return True, "ok"
-
-    def routes(self) -> dict[tuple[str, str], Route]:
-        """``GET /metrics`` and ``GET /healthz`` for :func:`iop_trio.httpserver.serve_http`.
-
-        ``/healthz`` answers 200 ``ok`` while the node runs and admits runs,
-        503 with the reason (``stopped: ...`` or ``draining: ...``) otherwise.
-        """
-
-        async def metrics(request: HttpRequest) -> HttpResponse:
-            return HttpResponse(200, self.render(), content_type=CONTENT_TYPE)
-
-        async def healthz(request: HttpRequest) -> HttpResponse:
-            healthy, why = self.health()
-            return HttpResponse.text(f"{why}\n", 200 if healthy else 503)
-
-        return {("GET", "/metrics"): metrics, ("GET", "/healthz"): healthz}
 
 
 __all__ = [

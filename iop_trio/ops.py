@@ -1,26 +1,58 @@
-"""The node's local operator endpoints, served on ``metrics.listen``.
+"""The node's local operator endpoints: a small ASGI app on hypercorn's Trio worker.
 
-- ``GET /metrics``, ``GET /healthz`` (from :class:`iop_trio.metrics.NodeMetrics`);
+Routes (served on ``metrics.listen``):
+
+- ``GET /metrics``: prometheus_client's ASGI exposition of
+  :class:`~iop_trio.metrics.NodeMetrics` (text format 0.0.4 unless the
+  scraper asks for OpenMetrics; gzip if it accepts it);
+- ``GET /healthz``: 200 ``ok`` while the node runs and admits runs, else 503
+  with the reason (``stopped: ...``, ``draining: ...``);
 - ``GET /runs/<run_id>``: the run as JSON (404 if unknown);
 - ``POST /runs/<run_id>/cancel?reason=...``: cancel it and answer once its final
   status is recorded: ``{"run_id", "status", "cancelled"}`` (404 if unknown).
 
-These are for the machine the node runs on (``iop-node runs cancel`` uses
-them); the listener binds to loopback unless configured otherwise, and has no
-authentication of its own.
+A path no route matches gets 404; a known path asked with another method 405
+with ``Allow``; ``HEAD`` is answered like ``GET``, without the body. The run
+routes answer 503 while the node is not running. These are for the machine
+the node runs on (``iop-node runs cancel`` uses them): the listener binds to
+loopback unless configured otherwise, and has no authentication of its own.
+
+:func:`serve_ops` runs the app until its ``shutdown`` event is set (then
+closes idle connections and gives requests in progress
+:data:`GRACEFUL_TIMEOUT` seconds) or until cancelled.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
+from urllib.parse import parse_qsl
 
 import attrs
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+from prometheus_client import make_asgi_app
 
-from .httpserver import HttpRequest, HttpResponse, Route
 from .metrics import NodeMetrics
 from .model import RunRecord, UnknownRun
 from .runtime import Node
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: Seconds a request in progress gets once the server is told to stop.
+GRACEFUL_TIMEOUT = 2.0
+#: Seconds an idle keep-alive connection is kept, and the most a request may take to arrive.
+IDLE_TIMEOUT = 10.0
+#: The largest request line plus headers accepted.
+MAX_HEADER_SIZE = 16 * 1024
+
+log = logging.getLogger(__name__)
 
 
 def record_json(record: RunRecord) -> dict[str, Any]:
@@ -31,31 +63,181 @@ def record_json(record: RunRecord) -> dict[str, Any]:
     return data
 
 
-def _json(data: Any, status: int = 200) -> HttpResponse:
-    body = json.dumps(data, default=str).encode()
-    return HttpResponse(status, body, content_type="application/json")
+async def respond(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: str,
+    headers: Mapping[str, str] | None = None,
+) -> None:
+    """Send a whole response."""
+    raw = [(b"content-type", content_type.encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    raw.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
 
 
-def ops_routes(node: Node, metrics: NodeMetrics) -> dict[tuple[str, str], Route]:
-    """The routes above, for :func:`iop_trio.httpserver.serve_http`."""
+async def respond_json(send: Send, data: Any, status: int = 200) -> None:
+    await respond(send, status, json.dumps(data, default=str).encode(), "application/json")
 
-    async def show(request: HttpRequest) -> HttpResponse:
-        run_id = request.subpath
-        record = await node.manager.get(run_id) if run_id and "/" not in run_id else None
+
+async def respond_text(send: Send, text: str, status: int = 200) -> None:
+    await respond(send, status, text.encode(), "text/plain; charset=utf-8")
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    """Nothing to set up or tear down: acknowledge both."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+Handler = Callable[[Scope, Receive, Send, list[str]], Awaitable[None]]
+
+
+class OpsApp:
+    """The ASGI app of the routes above, for ``node`` and its ``metrics``.
+
+    Routing is by path segments: ``/metrics``, ``/healthz``, ``/runs/<id>``,
+    ``/runs/<id>/cancel``; the handler gets the segments after the route's
+    fixed part (the run id).
+    """
+
+    def __init__(self, node: Node, metrics: NodeMetrics) -> None:
+        self.node = node
+        self.metrics = metrics
+        self._exposition = make_asgi_app(metrics.exposition())
+        # path segments ("*" = any one segment, passed to the handler) -> method -> handler
+        self._routes: dict[tuple[str, ...], dict[str, Handler]] = {
+            ("metrics",): {"GET": self._metrics},
+            ("healthz",): {"GET": self._healthz},
+            ("runs", "*"): {"GET": self._show},
+            ("runs", "*", "cancel"): {"POST": self._cancel},
+        }
+
+    def __repr__(self) -> str:
+        return f"<OpsApp node={self.node.node_id!r} routes={len(self._routes)}>"
+
+    def _match(self, path: str) -> tuple[dict[str, Handler], list[str]] | None:
+        segments = path.strip("/").split("/")
+        for pattern, methods in self._routes.items():
+            if len(pattern) == len(segments) and all(
+                s != "" if p == "*" else p == s for p, s in zip(pattern, segments, strict=True)
+            ):
+                return methods, [s for p, s in zip(pattern, segments, strict=True) if p == "*"]
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path: str = scope["path"]
+        matched = self._match(path)
+        if matched is None:
+            await respond_text(send, f"no route for {path}\n", 404)
+            return
+        methods, args = matched
+        method: str = scope["method"]
+        handler = methods.get("GET" if method == "HEAD" else method)
+        if handler is None:
+            allow = ", ".join(sorted({*methods, *(["HEAD"] if "GET" in methods else [])}))
+            await respond(
+                send, 405, f"{method} not allowed\n".encode(), "text/plain", {"Allow": allow}
+            )
+            return
+        await handler(scope, receive, send, args)
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send, _: list[str]) -> None:
+        await self._exposition(scope, receive, send)
+
+    async def _healthz(self, scope: Scope, receive: Receive, send: Send, _: list[str]) -> None:
+        healthy, why = self.metrics.health()
+        await respond_text(send, f"{why}\n", 200 if healthy else 503)
+
+    async def _show(self, scope: Scope, receive: Receive, send: Send, args: list[str]) -> None:
+        if not self.node.is_running:
+            await respond_json(send, {"error": "the node is not running"}, 503)
+            return
+        record = await self.node.manager.get(args[0])
         if record is None:
-            return _json({"error": f"unknown run {run_id!r}"}, 404)
-        return _json(record_json(record))
+            await respond_json(send, {"error": f"unknown run {args[0]!r}"}, 404)
+            return
+        await respond_json(send, record_json(record))
 
-    async def cancel(request: HttpRequest) -> HttpResponse:
-        run_id, _, action = request.subpath.partition("/")
-        if action != "cancel" or not run_id:
-            return _json({"error": "POST /runs/<run_id>/cancel"}, 404)
+    async def _cancel(self, scope: Scope, receive: Receive, send: Send, args: list[str]) -> None:
+        if not self.node.is_running:
+            await respond_json(send, {"error": "the node is not running"}, 503)
+            return
+        query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
+        run_id = args[0]
         try:
-            outcome = await node.manager.cancel(run_id, request.query.get("reason") or "cancelled")
+            outcome = await self.node.manager.cancel(run_id, query.get("reason") or "cancelled")
         except UnknownRun as exc:
-            return _json({"error": str(exc)}, 404)
-        return _json(
-            {"run_id": run_id, "status": outcome.status.value, "cancelled": outcome.cancelled}
+            await respond_json(send, {"error": str(exc)}, 404)
+            return
+        await respond_json(
+            send, {"run_id": run_id, "status": outcome.status.value, "cancelled": outcome.cancelled}
         )
 
-    return {**metrics.routes(), ("GET", "/runs/"): show, ("POST", "/runs/"): cancel}
+
+class _PortStatus:
+    """Hands the port of hypercorn's first bind (``http://host:port``) to ``task_status``."""
+
+    def __init__(self, task_status: trio.TaskStatus[int]) -> None:
+        self._task_status = task_status
+
+    def started(self, binds: list[str]) -> None:
+        self._task_status.started(int(binds[0].rpartition(":")[2]))
+
+
+def _lone_error(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The one exception inside ``group`` (nested groups included), or None if several."""
+    found: BaseException = group
+    while isinstance(found, BaseExceptionGroup):
+        if len(found.exceptions) != 1:
+            return None
+        found = found.exceptions[0]
+    return found
+
+
+async def serve_ops(
+    app: ASGIApp,
+    host: str,
+    port: int,
+    *,
+    shutdown: trio.Event | None = None,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` on ``host:port`` (0 = any free port) with hypercorn; ``task_status``
+    gets the bound port. Returns after ``shutdown`` is set and the server has stopped
+    (see the module docstring). Raises OSError itself (not in a group) if the address
+    cannot be bound.
+    """
+    config = Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")  # our handlers, not its own
+    config.graceful_timeout = GRACEFUL_TIMEOUT
+    config.keep_alive_timeout = IDLE_TIMEOUT
+    config.read_timeout = int(IDLE_TIMEOUT)
+    config.h11_max_incomplete_size = MAX_HEADER_SIZE
+    try:
+        await serve(
+            app,  # type: ignore[arg-type]
+            config,
+            shutdown_trigger=shutdown.wait if shutdown is not None else None,
+            task_status=_PortStatus(task_status),  # type: ignore[arg-type]
+            mode="asgi",
+        )
+    except BaseExceptionGroup as group:  # hypercorn binds inside its nurseries
+        error = _lone_error(group)
+        if isinstance(error, OSError):
+            raise error from None
+        raise

@@ -13,7 +13,6 @@ import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from iop_trio.adapters.echo import EchoAdapter
-from iop_trio.httpserver import serve_http
 from iop_trio.metrics import (
     CONTENT_TYPE,
     FIRST_DELTA_BUCKETS,
@@ -22,6 +21,7 @@ from iop_trio.metrics import (
     RUN_DURATION_BUCKETS,
     NodeMetrics,
 )
+from iop_trio.ops import OpsApp, serve_ops
 from iop_trio.runtime import (
     AdapterSlot,
     EventKind,
@@ -102,7 +102,7 @@ async def serving_metrics(node: Node) -> AsyncIterator[Scraper]:
     metrics = NodeMetrics(node)
     async with trio.open_nursery() as nursery:
         with trio.fail_after(WAIT):
-            port = await nursery.start(serve_http, metrics.routes(), "127.0.0.1", 0)
+            port = await nursery.start(serve_ops, OpsApp(node, metrics), "127.0.0.1", 0)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
             yield Scraper(metrics, client)
         nursery.cancel_scope.cancel()
