@@ -18,12 +18,13 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/iop-node demo
 
-## test: lint, type-check and the whole test suite
+## test: lint (ruff, the import layers), type-check and the whole test suite
 test: lint typecheck unit
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
