@@ -5,8 +5,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+FLOOR  ?= .venv-floor
 
-.PHONY: run test lint typecheck unit proto bench smoke clean
+.PHONY: run test test-floor lint typecheck unit proto bench smoke clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +33,22 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest -q
 
+## test-floor: the test suite against the lowest versions pyproject.toml allows
+## (uv's lowest-direct resolution), so a declared floor is tested, not guessed
+$(FLOOR)/.installed: pyproject.toml
+	rm -rf $(FLOOR)
+	$(PYTHON) -m venv $(FLOOR)
+	$(FLOOR)/bin/python -m pip install --quiet uv
+	$(FLOOR)/bin/uv pip compile pyproject.toml --extra test --resolution lowest-direct \
+		--python $(FLOOR)/bin/python --quiet --output-file $(FLOOR)/floor.txt
+	$(FLOOR)/bin/uv pip install --quiet --python $(FLOOR)/bin/python -r $(FLOOR)/floor.txt
+	$(FLOOR)/bin/uv pip install --quiet --python $(FLOOR)/bin/python --no-deps -e .
+	touch $@
+
+test-floor: $(FLOOR)/.installed
+	@echo "floors under test:" $$(grep -E '^(trio|trio-websocket|attrs|protobuf|httpx|cattrs|pyyaml|prometheus-client|hypercorn|pytest|pytest-trio|hypothesis|h11)==' $(FLOOR)/floor.txt)
+	$(FLOOR)/bin/python -m pytest -q -p no:cacheprovider
+
 ## proto: regenerate iop_trio/_gen from proto/
 proto: $(STAMP)
 	$(PY) tools/genproto.py
@@ -46,4 +63,4 @@ smoke:
 	bash tools/smoke.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(FLOOR) .pytest_cache .mypy_cache .ruff_cache .hypothesis
