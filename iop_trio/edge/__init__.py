@@ -1,5 +1,5 @@
 """The reference edge: used by tests, the demo and the CLI."""
 
-from .edge import Edge, NodeHandle, NoNode
+from .edge import Edge, NodeGone, NodeHandle, NoNode
 
-__all__ = ["Edge", "NoNode", "NodeHandle"]
+__all__ = ["Edge", "NoNode", "NodeGone", "NodeHandle"]

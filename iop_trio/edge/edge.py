@@ -18,17 +18,23 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 
 import trio
 from trio_websocket import WebSocketConnection
 
-from ..model import RunSpec
+from ..model import InvalidRequest, RunSpec
 from ..protocol import Request, Role, pb
-from ..transport.caller import RunnerClient, RunStream
+from ..transport.caller import ACK_TIMEOUT, RunnerClient, RunStream
 from ..transport.server import serve_proto
-from ..transport.session import ProtoSession, RemoteError, SessionClosed, SessionSettings
+from ..transport.session import (
+    ProtoSession,
+    RemoteError,
+    ReplyTimeout,
+    SessionClosed,
+    SessionSettings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +45,17 @@ class NoNode(LookupError):
     """No connected node serves that target (or knows that run)."""
 
 
+class NodeGone(NoNode):
+    """The target was served by a node that is not connected now (retry later)."""
+
+
 class NodeHandle(RunnerClient):
     """A connected node: its Hello and the calls the edge can make on it."""
 
-    def __init__(self, hello: pb.Hello, session: ProtoSession) -> None:
-        super().__init__(session)
+    def __init__(
+        self, hello: pb.Hello, session: ProtoSession, *, ack_timeout: float | None = ACK_TIMEOUT
+    ) -> None:
+        super().__init__(session, ack_timeout=ack_timeout)
         self.hello = hello
         self.in_flight = 0
 
@@ -63,7 +75,11 @@ class NodeHandle(RunnerClient):
 
 
 class Edge:
-    """See the module docstring. ``token`` None accepts anyone (tests, demos)."""
+    """See the module docstring. ``token`` None accepts anyone (tests, demos).
+
+    ``ack_timeout`` bounds the wait for a node's first answer to any request
+    the edge makes or relays (a client then gets UNAVAILABLE).
+    """
 
     def __init__(
         self,
@@ -71,11 +87,16 @@ class Edge:
         token: str | None,
         edge_id: str = "edge",
         settings: SessionSettings | None = None,
+        ack_timeout: float | None = ACK_TIMEOUT,
     ) -> None:
         self.token = token
         self.edge_id = edge_id
         self.settings = settings or SessionSettings()
+        self.ack_timeout = ack_timeout
         self.nodes: dict[str, NodeHandle] = {}
+        # targets some node has served, so a target whose node is gone is retryable
+        self._served: set[str] = set()
+        self.clients: dict[str, ProtoSession] = {}  # the /client sessions open now, by key
         self.port: int | None = None
         self.host = "127.0.0.1"
         self._changed = trio.Event()
@@ -148,7 +169,9 @@ class Edge:
             log.warning("edge: node %s reconnected; closing its old session", hello.node_id)
             await old.session.aclose(4000, "replaced by a newer session")
         session.name = f"node:{hello.node_id}"
-        self.nodes[hello.node_id] = NodeHandle(hello, session)
+        handle = NodeHandle(hello, session, ack_timeout=self.ack_timeout)
+        self.nodes[hello.node_id] = handle
+        self._served |= handle.targets
         await session.reply(
             request.nonce, "hello_ack", pb.HelloAck(edge_id=self.edge_id, session_id=session.key)
         )
@@ -186,6 +209,13 @@ class Edge:
                     return handle
             await self._changed.wait()
 
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Return once ``predicate()`` is true, checked whenever a node or client
+        comes or goes (at once if it is true now)."""
+        while not predicate():
+            await self._changed.wait()
+        await trio.lowlevel.checkpoint()
+
     def node(self, node_id: str) -> NodeHandle:
         try:
             return self.nodes[node_id]
@@ -193,9 +223,15 @@ class Edge:
             raise NoNode(f"node {node_id!r} is not connected") from None
 
     def route(self, target: str) -> NodeHandle:
-        """The connected node for ``target`` with the fewest runs in flight through the edge."""
+        """The connected node for ``target`` with the fewest runs in flight through the edge.
+
+        Raises NodeGone if only nodes that are not connected now served it,
+        NoNode if none ever did.
+        """
         serving = [h for h in self.nodes.values() if target in h.targets]
         if not serving:
+            if target in self._served:
+                raise NodeGone(f"no node serving {target!r} is connected now; retry later")
             known = sorted({t for h in self.nodes.values() for t in h.targets})
             raise NoNode(f"no connected node serves {target!r} (served: {', '.join(known)})")
         return min(serving, key=lambda h: h.in_flight)
@@ -215,7 +251,7 @@ class Edge:
         for handle in list(self.nodes.values()):
             try:
                 await handle.get_run(run_id)
-            except (RemoteError, SessionClosed):
+            except (RemoteError, SessionClosed, ReplyTimeout):
                 continue
             self._remember(run_id, handle.node_id)
             return handle
@@ -250,7 +286,14 @@ class Edge:
         session = ProtoSession(
             ws, Role.RUNNER, handler=self._on_client_request, settings=self.settings, name="client"
         )
-        await session.run()
+        self.clients[session.key] = session
+        self._notify()
+        try:
+            reason = await session.run()
+        finally:
+            del self.clients[session.key]
+            self._notify()
+        log.debug("edge: client session %s ended: %s", session.key, reason)
 
     async def _on_client_request(self, session: ProtoSession, request: Request) -> None:
         try:
@@ -259,7 +302,7 @@ class Edge:
             elif request.kind in ("cancel_run", "get_run"):
                 run_id = request.message.run_id  # type: ignore[attr-defined]
                 handle = await self.owner_of(run_id)
-                async with handle.session.stream(request.kind, request.message) as replies:
+                async with handle._stream(request.kind, request.message) as replies:
                     async for reply in replies:
                         await session.reply(request.nonce, _kind_of(reply), reply)
             elif request.kind == "list_runs":
@@ -270,6 +313,8 @@ class Edge:
                     pb.ERROR_CODE_UNEXPECTED,
                     f"{request.kind!r} goes to a node; the edge does not take it from clients",
                 )
+        except NodeGone as exc:
+            await session.error(request.nonce, pb.ERROR_CODE_UNAVAILABLE, str(exc))
         except NoNode as exc:
             code = (
                 pb.ERROR_CODE_UNKNOWN_TARGET
@@ -277,21 +322,25 @@ class Edge:
                 else pb.ERROR_CODE_UNKNOWN_RUN
             )
             await session.error(request.nonce, code, str(exc))
+        except InvalidRequest as exc:
+            await session.error(request.nonce, pb.ERROR_CODE_INVALID, str(exc))
         except RemoteError as exc:
             await session.error(request.nonce, exc.code, exc.message)
-        except SessionClosed as exc:
+        except (SessionClosed, ReplyTimeout) as exc:
             if not session.closed:
                 await session.error(request.nonce, pb.ERROR_CODE_UNAVAILABLE, f"node lost: {exc}")
 
     async def _relay_run(self, session: ProtoSession, request: Request) -> None:
         message = request.message
         assert isinstance(message, pb.RunRequest)
+        if not message.target:
+            raise InvalidRequest("run request without a target")
         handle = self.route(message.target)
         handle.in_flight += 1
         run_id = ""
         finished = False
         try:
-            async with handle.session.stream("run_request", message) as replies:
+            async with handle._stream("run_request", message) as replies:
                 async for reply in replies:
                     if isinstance(reply, pb.RunAccepted):
                         run_id = reply.run_id
@@ -311,8 +360,9 @@ class Edge:
         runs: list[pb.RunSummary] = []
         for handle in list(self.nodes.values()):
             try:
-                reply = await handle.session.request("list_runs", message)
-            except (RemoteError, SessionClosed):
+                reply = await handle._call("list_runs", message)
+            except (RemoteError, SessionClosed, ReplyTimeout) as exc:
+                log.warning("edge: list_runs on node %s failed: %s", handle.node_id, exc)
                 continue
             assert isinstance(reply, pb.RunList)
             runs.extend(reply.runs)

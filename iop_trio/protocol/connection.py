@@ -107,13 +107,30 @@ class ProtocolError(Exception):
         return f"ProtocolError({name}, {self.message!r}, reply_to={self.reply_to})"
 
 
+def opens_stream(kind: str, message: Message) -> bool:
+    """True for the requests answered by a stream of replies: ``run_request``, and
+    ``get_run`` with ``follow``. Every other request gets one reply."""
+    return kind == "run_request" or (
+        kind == "get_run" and isinstance(message, pb.GetRun) and message.follow
+    )
+
+
 @attrs.frozen
 class Request:
-    """A request from the peer that this side serves; answer it with ``reply_to=nonce``."""
+    """A request from the peer that this side serves; answer it with ``reply_to=nonce``.
+
+    ``size`` is the frame's length in bytes; ``stream`` says whether it opens a
+    stream of replies (:func:`opens_stream`).
+    """
 
     nonce: int
     kind: str
     message: Message
+    size: int = attrs.field(default=0, eq=False)
+
+    @property
+    def stream(self) -> bool:
+        return opens_stream(self.kind, self.message)
 
 
 @attrs.frozen
@@ -219,11 +236,8 @@ class ProtoConnection(Generic[W]):
         nonce = self._allocate_nonce()
         envelope = pb.Envelope(nonce=nonce)
         getattr(envelope, kind).CopyFrom(message)
-        stream = kind == "run_request" or (
-            kind == "get_run" and isinstance(message, pb.GetRun) and message.follow
-        )
         frame = encode(envelope)
-        self._pending[nonce] = _Pending(kind, stream, waiter)
+        self._pending[nonce] = _Pending(kind, opens_stream(kind, message), waiter)
         return nonce, frame
 
     def forget(self, nonce: int) -> None:
@@ -264,7 +278,7 @@ class ProtoConnection(Generic[W]):
                 )
             if envelope.nonce == 0:
                 raise ProtocolError(pb.ERROR_CODE_MALFORMED, f"{kind!r} request without a nonce")
-            return Request(envelope.nonce, kind, message)
+            return Request(envelope.nonce, kind, message, len(data))
         return self._answer(envelope.reply_to, kind, message)
 
     def _answer(self, reply_to: int, kind: str, message: Message) -> Reply[W] | StaleReply:

@@ -12,13 +12,14 @@ from .caller import RunnerClient, RunStream, open_runner
 from .node_link import Backoff, NodeLink
 from .run_service import RunService
 from .server import serve_proto
-from .session import ProtoSession, RemoteError, SessionClosed, SessionSettings
+from .session import ProtoSession, RemoteError, ReplyTimeout, SessionClosed, SessionSettings
 
 __all__ = [
     "Backoff",
     "NodeLink",
     "ProtoSession",
     "RemoteError",
+    "ReplyTimeout",
     "RunService",
     "RunStream",
     "RunnerClient",

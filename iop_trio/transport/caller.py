@@ -8,9 +8,10 @@ arrive as :class:`RemoteError`; a lost session as :class:`SessionClosed`.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Collection, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import trio
+from google.protobuf.message import Message
 from trio_websocket import open_websocket_url
 
 from ..model import RunEvent, RunSpec, RunStatus
@@ -62,20 +63,46 @@ class RunStream:
         return "".join(text), self.last
 
 
-class RunnerClient:
-    """Run requests over one session; many calls may be in flight at once."""
+#: Seconds a caller waits for the first answer to a request by default.
+ACK_TIMEOUT = 30.0
 
-    def __init__(self, session: ProtoSession) -> None:
+
+class RunnerClient:
+    """Run requests over one session; many calls may be in flight at once.
+
+    Every call raises :class:`ReplyTimeout` if the peer does not answer
+    within ``ack_timeout`` seconds, and a run's event stream raises it if no
+    event comes for ``idle_timeout`` seconds (None, the default, waits as long
+    as the run does: a run may wait in the queue and the engine for long).
+    """
+
+    def __init__(
+        self,
+        session: ProtoSession,
+        *,
+        ack_timeout: float | None = ACK_TIMEOUT,
+        idle_timeout: float | None = None,
+    ) -> None:
         self.session = session
+        self.ack_timeout = ack_timeout
+        self.idle_timeout = idle_timeout
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.session!r}>"
+
+    async def _call(self, kind: str, message: Message) -> Message:
+        return await self.session.request(kind, message, ack_timeout=self.ack_timeout)
+
+    def _stream(self, kind: str, message: Message) -> AbstractAsyncContextManager[ReplyStream]:
+        return self.session.stream(
+            kind, message, ack_timeout=self.ack_timeout, idle_timeout=self.idle_timeout
+        )
 
     @asynccontextmanager
     async def run(self, spec: RunSpec) -> AsyncIterator[RunStream]:
         """Submit ``spec`` and stream its events; leaving the block stops listening
         (the run itself goes on unless cancelled)."""
-        async with self.session.stream("run_request", request_from_spec(spec)) as replies:
+        async with self._stream("run_request", request_from_spec(spec)) as replies:
             accepted = await replies.first()
             assert isinstance(accepted, pb.RunAccepted)
             yield RunStream(replies, accepted.run_id, existing=accepted.existing)
@@ -86,16 +113,14 @@ class RunnerClient:
             return stream.run_id
 
     async def cancel(self, run_id: str, reason: str = "") -> pb.CancelResult:
-        result = await self.session.request(
-            "cancel_run", pb.CancelRun(run_id=run_id, reason=reason)
-        )
+        result = await self._call("cancel_run", pb.CancelRun(run_id=run_id, reason=reason))
         assert isinstance(result, pb.CancelResult)
         return result
 
     async def get_run(
         self, run_id: str, *, include_events: bool = False, after_seq: int = 0
     ) -> pb.RunInfo:
-        info = await self.session.request(
+        info = await self._call(
             "get_run",
             pb.GetRun(run_id=run_id, include_events=include_events, after_seq=after_seq),
         )
@@ -106,7 +131,7 @@ class RunnerClient:
     async def follow(self, run_id: str, *, after_seq: int = 0) -> AsyncIterator[RunStream]:
         """Every event of ``run_id`` after ``after_seq``, to the terminal one, live or stored."""
         request = pb.GetRun(run_id=run_id, include_events=True, after_seq=after_seq, follow=True)
-        async with self.session.stream("get_run", request) as replies:
+        async with self._stream("get_run", request) as replies:
             info = await replies.first()
             assert isinstance(info, pb.RunInfo)
             yield _Followed(self, replies, info)
@@ -117,7 +142,7 @@ class RunnerClient:
         request = pb.ListRuns(
             statuses=[status_to_pb(s) for s in statuses], target=target, limit=limit
         )
-        reply = await self.session.request("list_runs", request)
+        reply = await self._call("list_runs", request)
         assert isinstance(reply, pb.RunList)
         return list(reply.runs)
 
@@ -137,14 +162,14 @@ class RunnerClient:
             request.max_queued = max_queued
         if queue_timeout is not None:
             request.queue_timeout_s = queue_timeout
-        reply = await self.session.request("set_limits", request)
+        reply = await self._call("set_limits", request)
         assert isinstance(reply, pb.Limits)
         return reply
 
     async def ping(self) -> float:
         """Round trip time in seconds."""
         start = trio.current_time()
-        await self.session.request("ping", pb.Ping(time=start))
+        await self._call("ping", pb.Ping(time=start))
         return trio.current_time() - start
 
 
@@ -179,17 +204,31 @@ class _Followed(RunStream):
 
 @asynccontextmanager
 async def open_runner(
-    url: str, *, token: str | None = None, settings: SessionSettings | None = None
+    url: str,
+    *,
+    token: str | None = None,
+    settings: SessionSettings | None = None,
+    connect_timeout: float = 10.0,
+    ack_timeout: float | None = ACK_TIMEOUT,
+    idle_timeout: float | None = None,
 ) -> AsyncIterator[RunnerClient]:
-    """Connect to a peer serving run requests (an edge's ``/client`` endpoint)."""
+    """Connect to a peer serving run requests (an edge's ``/client`` endpoint).
+
+    trio-websocket's ``ConnectionTimeout`` if the WebSocket is not open within
+    ``connect_timeout`` seconds; the other timeouts are the client's (see
+    :class:`RunnerClient`).
+    """
     settings = settings or SessionSettings()
     async with open_websocket_url(
-        url, extra_headers=bearer_header(token), max_message_size=settings.max_message_size
+        url,
+        extra_headers=bearer_header(token),
+        max_message_size=settings.max_message_size,
+        connect_timeout=connect_timeout,
     ) as ws:
         session = ProtoSession(ws, Role.CLIENT, settings=settings, name=url)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(session.run)
             try:
-                yield RunnerClient(session)
+                yield RunnerClient(session, ack_timeout=ack_timeout, idle_timeout=idle_timeout)
             finally:
                 nursery.cancel_scope.cancel()

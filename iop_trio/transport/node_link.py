@@ -27,7 +27,7 @@ from ..protocol.convert import hello_from_info
 from ..runtime import Node
 from .auth import bearer_header
 from .run_service import RunService
-from .session import ProtoSession, RemoteError, SessionClosed, SessionSettings
+from .session import ProtoSession, RemoteError, ReplyTimeout, SessionClosed, SessionSettings
 
 log = logging.getLogger(__name__)
 
@@ -167,9 +167,8 @@ class NodeLink:
                     nursery.start_soon(session.run)
                     hello = hello_from_info(self.node.describe())
                     try:
-                        with trio.fail_after(self.hello_timeout):
-                            ack = await session.request("hello", hello)
-                    except (RemoteError, SessionClosed, trio.TooSlowError) as exc:
+                        ack = await session.request("hello", hello, ack_timeout=self.hello_timeout)
+                    except (RemoteError, SessionClosed, ReplyTimeout) as exc:
                         self.last_error = f"hello failed: {exc}"
                         nursery.cancel_scope.cancel()
                         return None

@@ -5,23 +5,37 @@ kinds of task, all ending with the session:
 
 - the reader, which always drains the socket (so pings and pongs keep
   flowing however slow a consumer is) and routes each frame: a reply to its
-  waiter, a request to a new handler task, a bad frame to an Error reply;
-- the writer, the one task that writes to the socket: senders put frames on
-  a bounded channel, so any number of tasks may send, a cancelled sender
-  never leaves half a frame on the wire, and a slow peer pushes back;
+  waiter, a request to a handler, a bad frame to an Error reply;
+- the writer, the one task that writes to the socket, from the outbox:
+  any number of tasks may send, a cancelled sender never leaves half a
+  frame on the wire, and a sender waits while more than ``send_buffer``
+  bytes are unwritten (backpressure). What the reader itself must answer
+  (errors, pongs, UNAVAILABLE) is never dropped and never waits. A peer that
+  does not read its replies is closed (1008) once a frame has waited
+  ``send_timeout`` seconds to be written, or more than ``max_outbox`` bytes
+  are unwritten;
 - the heartbeat: a WebSocket ping every ``ping_interval`` seconds that must
   be answered within ``ping_timeout``, else the session ends (close 1011);
-- one handler task per request, at most ``max_in_flight`` at a time (more
-  are answered UNAVAILABLE at once).
+- one handler task per request being answered. Requests come in two
+  classes, calls and stream openers (``run_request``, ``get_run`` with
+  ``follow``), each with its own bound: at most ``max_in_flight`` of a class
+  are handled and not yet answered at once; more wait, as data, in that
+  class's FIFO (at most ``max_pending`` requests and ``max_pending_bytes``);
+  beyond that a request is answered UNAVAILABLE at once. A handler's slot
+  is freed by its first reply, so a stream that goes on for a run's whole
+  life holds no slot, and calls (cancel, get, list, set limits) are never
+  queued behind runs.
 
-Nothing a peer sends can make ``run`` raise: it returns the reason the
-session ended.
+Every request gets exactly one first answer. Nothing a peer sends can make
+``run`` raise: it returns the reason the session ended.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 
@@ -38,11 +52,17 @@ RequestHandler = Callable[["ProtoSession", Request], Awaitable[None]]
 
 DEFAULT_MAX_MESSAGE_SIZE = 4 * 1024 * 1024
 STREAM_BUFFER = 10_000
+#: The close code of a session whose peer does not read what it is sent (policy violation).
+CLOSE_NOT_READING = 1008
 _session_ids = itertools.count(1)
 
 
 class SessionClosed(Exception):
     """The session ended before the answer came."""
+
+
+class ReplyTimeout(Exception):
+    """The peer did not answer (or did not go on with a stream) in time."""
 
 
 class RemoteError(Exception):
@@ -56,13 +76,28 @@ class RemoteError(Exception):
 
 @attrs.frozen
 class SessionSettings:
-    """Per-session knobs. ``ping_interval`` 0 turns the heartbeat off."""
+    """Per-session bounds (see the module docstring). ``ping_interval`` 0 turns the
+    heartbeat off; ``send_timeout`` None never closes a peer for not reading."""
 
     ping_interval: float = 20.0
     ping_timeout: float = 10.0
-    max_in_flight: int = 1024
-    send_queue: int = 256
+    max_in_flight: int = 256
+    max_pending: int = 10_000
+    max_pending_bytes: int = 64 * 1024 * 1024
+    send_buffer: int = 1024 * 1024
+    max_outbox: int = 64 * 1024 * 1024
+    send_timeout: float | None = 30.0
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+
+
+@attrs.define(eq=False)
+class _RequestClass:
+    """The requests of one class on a session: handled and unanswered, and waiting."""
+
+    name: str
+    active: int = 0
+    waiting: collections.deque[Request] = attrs.field(factory=collections.deque)
+    waiting_bytes: int = 0
 
 
 class ReplyStream:
@@ -73,13 +108,25 @@ class ReplyStream:
     state keeps the stream as the waiter of its request's nonce.
     """
 
-    def __init__(self, session: ProtoSession, kind: str, message: Message) -> None:
+    def __init__(
+        self,
+        session: ProtoSession,
+        kind: str,
+        message: Message,
+        *,
+        ack_timeout: float | None = None,
+        idle_timeout: float | None = None,
+    ) -> None:
         self._session = session
+        self.kind = kind
         self.nonce, self.frame = session._conn.request(kind, message, self)
         self._send, self._receive = trio.open_memory_channel[Reply[ReplyStream] | BaseException](
             STREAM_BUFFER
         )
         self._done = False
+        self._answered = False
+        self.ack_timeout = ack_timeout
+        self.idle_timeout = idle_timeout
 
     def __repr__(self) -> str:
         return f"<ReplyStream nonce={self.nonce} done={self._done}>"
@@ -98,10 +145,20 @@ class ReplyStream:
         return self
 
     async def __anext__(self) -> Message:
+        """The next reply. Raises ReplyTimeout if the first one takes more than
+        ``ack_timeout`` seconds, or a later one more than ``idle_timeout`` (None: no bound)."""
         if self._done:
             raise StopAsyncIteration
+        timeout = self.idle_timeout if self._answered else self.ack_timeout
         try:
-            item = await self._receive.receive()
+            with trio.fail_after(math.inf if timeout is None else timeout):
+                item = await self._receive.receive()
+        except trio.TooSlowError:
+            self.close()
+            what = "went on with its replies to" if self._answered else "answered"
+            raise ReplyTimeout(
+                f"the peer has not {what} {self.kind} (nonce {self.nonce}) within {timeout:g}s"
+            ) from None
         except trio.EndOfChannel:
             self._done = True
             raise SessionClosed(
@@ -110,6 +167,7 @@ class ReplyStream:
         if isinstance(item, BaseException):
             self._done = True
             raise item
+        self._answered = True
         if item.final:
             self._done = True
         if item.kind == "error":
@@ -147,10 +205,15 @@ class ProtoSession:
         self.settings = settings or SessionSettings()
         self._conn: ProtoConnection[ReplyStream] = ProtoConnection(role)
         self._handler = handler
-        self._out_send, self._out_receive = trio.open_memory_channel[bytes](
-            self.settings.send_queue
-        )
-        self._in_flight = 0
+        # requests being handled and not yet answered: nonce -> its class
+        self._unanswered: dict[int, _RequestClass] = {}
+        self._calls = _RequestClass("call")
+        self._streams = _RequestClass("stream")
+        # frames for the writer, and what wakes it / the senders waiting for room
+        self._outbox: collections.deque[bytes] = collections.deque()
+        self._outbox_bytes = 0
+        self._writer_lot = trio.lowlevel.ParkingLot()
+        self._room_lot = trio.lowlevel.ParkingLot()
         self._closed = False
         self._nursery: trio.Nursery | None = None
         self.close_reason = ""
@@ -158,17 +221,30 @@ class ProtoSession:
         self.ended = trio.Event()
         self.frames_received = 0
         self.bad_frames = 0
+        self.refused = 0  # requests answered UNAVAILABLE for want of room
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return (
             f"<ProtoSession {self.name} {self._conn.role.value} {state} "
-            f"in_flight={self._in_flight} waiting={self._conn.pending}>"
+            f"unanswered={len(self._unanswered)} "
+            f"waiting={len(self._calls.waiting) + len(self._streams.waiting)} "
+            f"outbox={self._outbox_bytes}B pending={self._conn.pending}>"
         )
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def unanswered(self) -> int:
+        """Requests of the peer being handled or waiting, not yet answered."""
+        return len(self._unanswered) + len(self._calls.waiting) + len(self._streams.waiting)
+
+    @property
+    def pending(self) -> int:
+        """Our requests still waiting for (more) answers."""
+        return self._conn.pending
 
     # --- running -------------------------------------------------------------------------
 
@@ -189,7 +265,10 @@ class ProtoSession:
             # cancelled from outside leaves it to its owner (which cannot wait
             # for a close handshake once its reader is cancelled anyway)
             self._closed = True
-            self._fail_waiters(SessionClosed(f"session {self.name} ended: {self.close_reason}"))
+            self._room_lot.unpark_all()
+            for stream in self._conn.forget_all():
+                # one exception each: a shared one would grow its traceback with every raise
+                stream._deliver(SessionClosed(f"session {self.name} ended: {self.close_reason}"))
             self.ended.set()
         return self.close_reason
 
@@ -205,9 +284,13 @@ class ProtoSession:
         with trio.move_on_after(2):
             await self.ws.aclose(code, reason)
 
-    def _fail_waiters(self, exc: BaseException) -> None:
-        for stream in self._conn.forget_all():
-            stream._deliver(exc)
+    async def _close_for_not_reading(self, why: str) -> None:
+        """End the session of a peer that does not read: say why, close (1008), at once."""
+        log.warning("session %s: closing: %s", self.name, why)
+        self.close_reason = why
+        self._end(why)
+        with trio.CancelScope(shield=True), trio.move_on_after(1):
+            await self.ws.aclose(CLOSE_NOT_READING, "not reading replies")
 
     async def _reader(self) -> None:
         while True:
@@ -226,10 +309,10 @@ class ProtoSession:
                 log.warning("session %s: bad frame: %s", self.name, exc.message)
                 if isinstance(exc.waiter, ReplyStream):
                     exc.waiter._deliver(RemoteError(exc.code, exc.message))
-                self._send_nowait_or_drop(self._conn.error(exc.reply_to, exc.code, exc.message))
+                self._send_now(self._conn.error(exc.reply_to, exc.code, exc.message))
                 continue
             if isinstance(incoming, Request):
-                self._start_handler(incoming)
+                self._admit(incoming)
             elif isinstance(incoming, Reply):
                 if incoming.waiter is not None:
                     incoming.waiter._deliver(incoming)
@@ -238,56 +321,115 @@ class ProtoSession:
                     "session %s: stale %s for %d", self.name, incoming.kind, incoming.reply_to
                 )
 
-    def _send_nowait_or_drop(self, frame: bytes) -> None:
-        # the reader must never block on the writer: a peer that floods us with
-        # bad frames and reads nothing gets its error replies dropped
-        try:
-            self._out_send.send_nowait(frame)
-        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-            log.debug("session %s: error reply dropped", self.name)
+    # --- requests ------------------------------------------------------------------------
 
-    def _start_handler(self, request: Request) -> None:
+    def _admit(self, request: Request) -> None:
+        """Answer a ping at once; start, queue or refuse anything else (module docstring)."""
         if request.kind == "ping" and isinstance(request.message, pb.Ping):
-            self._send_nowait_or_drop(
+            self._send_now(
                 self._conn.reply(request.nonce, "pong", pb.Pong(time=request.message.time))
             )
             return
-        if self._handler is None or self._in_flight >= self.settings.max_in_flight:
-            self._send_nowait_or_drop(
-                self._conn.error(
-                    request.nonce,
-                    pb.ERROR_CODE_UNAVAILABLE,
-                    f"more than {self.settings.max_in_flight} requests in flight",
-                )
-            )
+        if self._handler is None:
+            self._refuse(request, "this side serves no requests")
             return
+        cls = self._streams if request.stream else self._calls
+        settings = self.settings
+        if cls.active < settings.max_in_flight and not cls.waiting:
+            self._start(cls, request)
+        elif (
+            len(cls.waiting) < settings.max_pending
+            and cls.waiting_bytes + request.size <= settings.max_pending_bytes
+        ):
+            cls.waiting.append(request)
+            cls.waiting_bytes += request.size
+        else:
+            self.refused += 1
+            self._refuse(
+                request,
+                f"{cls.active + len(cls.waiting)} {cls.name} requests are already being "
+                f"answered on this session; retry later",
+            )
+
+    def _refuse(self, request: Request, why: str) -> None:
+        self._send_now(self._conn.error(request.nonce, pb.ERROR_CODE_UNAVAILABLE, why))
+
+    def _start(self, cls: _RequestClass, request: Request) -> None:
         assert self._nursery is not None
-        self._in_flight += 1
+        cls.active += 1
+        self._unanswered[request.nonce] = cls
         self._nursery.start_soon(self._handle, request)
+
+    def _answered(self, nonce: int) -> None:
+        """``nonce`` has its first answer: free its slot for the next waiting request."""
+        cls = self._unanswered.pop(nonce, None)
+        if cls is None:
+            return
+        cls.active -= 1
+        if cls.waiting and cls.active < self.settings.max_in_flight and not self._closed:
+            request = cls.waiting.popleft()
+            cls.waiting_bytes -= request.size
+            self._start(cls, request)
 
     async def _handle(self, request: Request) -> None:
         handler = self._handler
         assert handler is not None
         try:
             await handler(self, request)
+            if request.nonce in self._unanswered:
+                log.error("session %s: %s ended without an answer", self.name, request.kind)
+                await self.error(request.nonce, pb.ERROR_CODE_INTERNAL, "no answer was made")
         except SessionClosed:
             pass
         except Exception as exc:
             log.exception("session %s: handler for %s failed", self.name, request.kind)
-            await self._try_send(
-                self._conn.error(request.nonce, pb.ERROR_CODE_INTERNAL, f"internal error: {exc}")
-            )
+            with suppress(SessionClosed):
+                await self.error(request.nonce, pb.ERROR_CODE_INTERNAL, f"internal error: {exc}")
         finally:
-            self._in_flight -= 1
+            self._answered(request.nonce)
 
-    async def _try_send(self, frame: bytes) -> None:
-        with suppress(SessionClosed):
-            await self._send(frame)
+    # --- the outbox and the writer -------------------------------------------------------
+
+    def _enqueue(self, frame: bytes) -> None:
+        self._outbox.append(frame)
+        self._outbox_bytes += len(frame)
+        self._writer_lot.unpark()
+        if (
+            self._outbox_bytes > self.settings.max_outbox
+            and self._nursery is not None
+            and not self.close_reason
+        ):
+            self.close_reason = "closing: the peer does not read"
+            self._nursery.start_soon(
+                self._close_for_not_reading,
+                f"the peer does not read its replies: {self._outbox_bytes} bytes wait to be "
+                f"written (max_outbox {self.settings.max_outbox})",
+            )
+
+    def _send_now(self, frame: bytes) -> None:
+        """Queue a frame the reader must send (it never waits): never dropped while the
+        session is open; the outbox bound ends a session whose peer does not read."""
+        if not self._closed:
+            self._enqueue(frame)
 
     async def _writer(self) -> None:
+        timeout = self.settings.send_timeout
         try:
-            async for frame in self._out_receive:
-                await self.ws.send_message(frame)
+            while True:
+                while not self._outbox:
+                    await self._writer_lot.park()
+                frame = self._outbox.popleft()
+                self._outbox_bytes -= len(frame)
+                if self._outbox_bytes < self.settings.send_buffer:
+                    self._room_lot.unpark_all()
+                with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
+                    await self.ws.send_message(frame)
+                if scope.cancelled_caught:
+                    await self._close_for_not_reading(
+                        f"the peer does not read its replies: a frame waited {timeout:g}s "
+                        "to be written"
+                    )
+                    return
         except ConnectionClosed:
             self._end("connection closed while sending")
         except trio.BrokenResourceError as exc:
@@ -313,50 +455,81 @@ class ProtoSession:
     # --- sending -------------------------------------------------------------------------
 
     async def _send(self, frame: bytes) -> None:
-        if self._closed:
-            raise SessionClosed(f"session {self.name} is closed")
+        """Queue ``frame`` for the writer, waiting while ``send_buffer`` bytes are unwritten.
+
+        Raises SessionClosed if the session is (or gets) closed, ValueError for a
+        frame over ``max_message_size``. Cancelled while waiting, nothing is sent.
+        """
         if len(frame) > self.settings.max_message_size:
             raise ValueError(
                 f"frame of {len(frame)} bytes exceeds max_message_size "
                 f"{self.settings.max_message_size}"
             )
-        try:
-            await self._out_send.send(frame)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise SessionClosed(f"session {self.name} is closed") from None
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            if self._closed:
+                raise SessionClosed(f"session {self.name} is closed")
+            if self._outbox_bytes < self.settings.send_buffer:
+                break
+            await self._room_lot.park()
+        self._enqueue(frame)
+        await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def reply(self, reply_to: int, kind: str, message: Message) -> None:
         """Answer the peer's request ``reply_to`` (raises SessionClosed if gone)."""
         await self._send(self._conn.reply(reply_to, kind, message))
+        self._answered(reply_to)
 
     async def error(self, reply_to: int, code: int, message: str) -> None:
+        """Answer the peer's request ``reply_to`` with an Error; it ends the exchange."""
         await self._send(self._conn.error(reply_to, code, message))
+        self._answered(reply_to)
 
-    def open_request(self, kind: str, message: Message) -> ReplyStream:
+    def open_request(
+        self,
+        kind: str,
+        message: Message,
+        *,
+        ack_timeout: float | None = None,
+        idle_timeout: float | None = None,
+    ) -> ReplyStream:
         """Register a request and return the stream its replies will arrive on.
 
         The caller sends ``stream.frame`` itself; :meth:`stream` and
-        :meth:`request` do both.
+        :meth:`request` do both. The timeouts bound the wait for the first
+        reply and between later ones (see :meth:`ReplyStream.__anext__`).
         """
         if self._closed:
             raise SessionClosed(f"session {self.name} is closed")
-        return ReplyStream(self, kind, message)
+        return ReplyStream(self, kind, message, ack_timeout=ack_timeout, idle_timeout=idle_timeout)
 
     @asynccontextmanager
-    async def stream(self, kind: str, message: Message) -> AsyncIterator[ReplyStream]:
+    async def stream(
+        self,
+        kind: str,
+        message: Message,
+        *,
+        ack_timeout: float | None = None,
+        idle_timeout: float | None = None,
+    ) -> AsyncIterator[ReplyStream]:
         """Send a request and yield its reply stream; leaving stops listening."""
-        stream = self.open_request(kind, message)
+        stream = self.open_request(
+            kind, message, ack_timeout=ack_timeout, idle_timeout=idle_timeout
+        )
         try:
             await self._send(stream.frame)
             yield stream
         finally:
             stream.close()
 
-    async def request(self, kind: str, message: Message) -> Message:
+    async def request(
+        self, kind: str, message: Message, *, ack_timeout: float | None = None
+    ) -> Message:
         """Send a request and return its (first) answer.
 
-        Raises RemoteError for an Error answer and SessionClosed if the
-        session ends first. Bound the wait with ``trio.fail_after``.
+        Raises RemoteError for an Error answer, SessionClosed if the session
+        ends first and ReplyTimeout if no answer comes within ``ack_timeout``
+        seconds (None: no bound).
         """
-        async with self.stream(kind, message) as replies:
+        async with self.stream(kind, message, ack_timeout=ack_timeout) as replies:
             return await replies.first()
