@@ -78,11 +78,16 @@ class StoreConfig:
 
 @attrs.frozen
 class RuntimeConfig:
+    """Node-wide limits; the run bounds apply to targets that set none (null: no bound)."""
+
     concurrency: int = attrs.field(default=8, validator=_int_at_least(1))
     max_queued: int = attrs.field(default=1000, validator=_int_at_least(0))
     queue_timeout: float = attrs.field(default=30.0, validator=_non_negative)
     drain_timeout: float = attrs.field(default=30.0, validator=_non_negative)
     final_write_timeout: float = attrs.field(default=10.0, validator=_positive)
+    max_prompt_bytes: int | None = attrs.field(default=4 * 1024 * 1024, validator=_int_at_least(1))
+    max_output_bytes: int | None = attrs.field(default=16 * 1024 * 1024, validator=_int_at_least(1))
+    max_run_time: float | None = attrs.field(default=3600.0, validator=_positive)
 
 
 @attrs.frozen
@@ -104,6 +109,9 @@ class TargetConfig:
     max_queued: int | None = attrs.field(default=None, validator=_int_at_least(0))
     queue_timeout: float | None = attrs.field(default=None, validator=_non_negative)
     params: dict[str, Any] = attrs.field(factory=dict)
+    max_prompt_bytes: int | None = attrs.field(default=None, validator=_int_at_least(1))
+    max_output_bytes: int | None = attrs.field(default=None, validator=_int_at_least(1))
+    max_run_time: float | None = attrs.field(default=None, validator=_positive)
 
     def spec(self) -> TargetSpec:
         return TargetSpec(
@@ -114,6 +122,9 @@ class TargetConfig:
             max_queued=self.max_queued,
             queue_timeout=self.queue_timeout,
             params=dict(self.params),
+            max_prompt_bytes=self.max_prompt_bytes,
+            max_output_bytes=self.max_output_bytes,
+            max_run_time=self.max_run_time,
         )
 
 
@@ -157,6 +168,9 @@ class NodeConfig:
             max_queued=r.max_queued,
             queue_timeout=r.queue_timeout,
             final_write_timeout=r.final_write_timeout,
+            max_prompt_bytes=r.max_prompt_bytes,
+            max_output_bytes=r.max_output_bytes,
+            max_run_time=r.max_run_time,
         )
 
     def edge_token(self) -> str | None:

@@ -174,7 +174,11 @@ class TargetSpec:
     """A target: an adapter namespace, a model and the profile settings runs get.
 
     Its name is ``adapter/model``, or ``adapter/model@profile`` when a profile
-    is named, so one model can be served under several profiles.
+    is named, so one model can be served under several profiles. A run of it
+    is refused (InvalidRequest) if its prompt and messages are over
+    ``max_prompt_bytes`` of UTF-8, and ends FAILED with ``output_limit`` once
+    its output passes ``max_output_bytes``, or with ``run_timeout`` if it
+    runs for more than ``max_run_time`` seconds (queue wait not counted).
     """
 
     adapter: str
@@ -184,6 +188,10 @@ class TargetSpec:
     max_queued: int | None = None
     queue_timeout: float | None = None
     params: Mapping[str, Any] = attrs.field(factory=dict)
+    # a run's bounds; None takes the node's (RuntimeLimits), which may be None: no bound
+    max_prompt_bytes: int | None = None
+    max_output_bytes: int | None = None
+    max_run_time: float | None = None
 
     @property
     def name(self) -> str:

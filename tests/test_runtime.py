@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
-from iop_trio.adapters import AdapterError
+from iop_trio.adapters import Adapter, AdapterError
 from iop_trio.adapters.echo import EchoAdapter, EchoSettings
 from iop_trio.runtime import (
     AdapterSlot,
@@ -24,6 +25,7 @@ from iop_trio.runtime import (
     UnknownRun,
     UnknownTarget,
 )
+from iop_trio.runtime.manager import EVENT_WINDOW
 from iop_trio.store.memory import MemoryStore
 
 from .support import ScriptedAdapter
@@ -229,6 +231,35 @@ async def test_queue_full_rejects_at_once():
         await submit(node, B)
         other = await submit(node, B)
         assert await status(node, other) is RunStatus.REJECTED
+
+
+async def test_queue_full_says_which_bound_and_counts_what_refused_the_run():
+    node, adapter = make_node(max_queued=2)
+    async with node.running():
+        running = await submit(node)
+        waiting = [await submit(node), await submit(node)]
+        full = await submit(node)
+        record = await node.store.get(full)
+        assert record is not None
+        assert record.message == "the node's queue is full (max_queued 2, 2 waiting)"
+        # a waiter leaves in the same instant the next run is refused: the count is the one
+        # that refused it, not the one after
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(node.manager.cancel, waiting[0])
+            nursery.start_soon(submit, node)
+        refused = [r for r in await node.store.list_runs() if r.status is RunStatus.REJECTED]
+        assert {r.message for r in refused} <= {
+            "the node's queue is full (max_queued 2, 2 waiting)"
+        }
+        adapter.script(running).finish()
+
+    target = TargetSpec("scripted", "t", concurrency=0, max_queued=1)
+    own = Node(node_id="t", adapters=[ScriptedAdapter()], targets=[target], store=MemoryStore())
+    async with own.running():
+        await submit(own, "scripted/t")
+        record = await own.store.get(await submit(own, "scripted/t"))
+        assert record is not None
+        assert record.message == "the queue of scripted/t is full (its max_queued 1, 1 waiting)"
 
 
 async def test_queue_timeout_zero_rejects_at_once():
@@ -642,3 +673,115 @@ async def test_a_node_can_run_again_after_it_stopped():
         second = await submit(node)
         assert await status(node, second) is RunStatus.RUNNING
     assert await status(node, first) is RunStatus.CANCELLED
+
+
+# --- a run's bounds: time, output, prompt, memory ---------------------------------------------
+
+
+def bounded_node(adapter: Adapter, **bounds: Any) -> Node:
+    """One target ``<adapter>/m`` at concurrency 1 with the given run bounds."""
+    target = TargetSpec(adapter.name, "m", **bounds)
+    limits = RuntimeLimits(queue_timeout=600)
+    return Node(
+        node_id="b", adapters=[adapter], targets=[target], limits=limits, store=MemoryStore()
+    )
+
+
+async def test_max_run_time_counts_from_the_start_and_closes_the_engine_stream(autojump_clock):
+    adapter = ScriptedAdapter()
+    node = bounded_node(adapter, max_run_time=5)
+    target = "scripted/m"
+    async with node.running():
+        first = await submit(node, target)
+        queued = await submit(node, target)
+        await trio.sleep(3)
+        adapter.script(first).finish()
+        await trio.testing.wait_all_tasks_blocked()
+        await trio.sleep(4)  # queued 3 s and running 4 s: inside the bound
+        adapter.script(queued).finish()
+        late = await submit(node, target)
+        await trio.sleep(5.5)
+        assert adapter.open_streams == []  # the deadline closed the engine stream
+    records = {r: await node.store.get(r) for r in (first, queued, late)}
+    assert [(r.status, r.reason) for r in records.values() if r] == [
+        (RunStatus.SUCCEEDED, ""),
+        (RunStatus.SUCCEEDED, ""),
+        (RunStatus.FAILED, "run_timeout"),
+    ]
+    assert records[late].message == "the run did not finish within 5s (max_run_time of scripted/m)"  # type: ignore[union-attr]
+
+
+async def test_output_over_max_output_bytes_fails_the_run_and_stops_the_engine():
+    echo = EchoAdapter()
+    node = bounded_node(echo, max_output_bytes=10)
+    async with node.running():
+        run = await submit_text(node, "echo/m", "aaaa bbbb cccc dddd")
+        await node.manager.wait_idle()
+    record = await node.store.get(run)
+    assert record is not None
+    assert (record.status, record.reason) == (RunStatus.FAILED, "output_limit")
+    assert "passed 10 bytes (max_output_bytes of echo/m)" in record.message
+    texts = [e.text for e in await node.store.events(run) if e.kind is EventKind.DELTA]
+    assert texts == ["aaaa ", "bbbb "]  # 10 bytes; the third would pass the bound
+    assert echo.active == 0
+
+
+async def test_a_prompt_over_max_prompt_bytes_is_refused_before_any_run_exists():
+    node = bounded_node(EchoAdapter(), max_prompt_bytes=8)
+    async with node.running():
+        with pytest.raises(InvalidRequest, match="10 bytes, over the 8"):
+            await node.manager.submit(RunSpec("echo/m", "ééééé"))  # 5 characters, 10 bytes
+        with pytest.raises(InvalidRequest, match="9 bytes"):
+            await node.manager.submit(RunSpec("echo/m", messages=(("user", "hello"),)))
+        assert await node.store.list_runs() == []
+        ok = await submit_text(node, "echo/m", "éééé")  # 8 bytes: at the bound
+        await node.manager.wait_idle()
+        assert (await status(node, ok)) is RunStatus.SUCCEEDED
+
+
+async def test_node_bounds_apply_to_targets_that_set_none():
+    node = Node(
+        node_id="d",
+        adapters=[EchoAdapter()],
+        targets=[TargetSpec("echo", "own", max_run_time=7), TargetSpec("echo", "default")],
+        limits=RuntimeLimits(max_run_time=60, max_output_bytes=None),
+        store=MemoryStore(),
+    )
+    own, default = node.targets["echo/own"], node.targets["echo/default"]
+    assert (own.max_run_time, default.max_run_time) == (7, 60)
+    assert default.max_output_bytes is None
+    assert default.max_prompt_bytes == RuntimeLimits().max_prompt_bytes
+
+
+async def test_a_long_run_keeps_a_window_and_a_late_watcher_reads_the_store():
+    adapter = ScriptedAdapter()
+    node = bounded_node(adapter)
+    count = EVENT_WINDOW * 3
+    async with node.running():
+        run = await submit(node, "scripted/m")
+        script = adapter.script(run)
+        for i in range(count):
+            script.delta(f"{i} ")
+        await trio.testing.wait_all_tasks_blocked()
+        live = node.manager._live[run]
+        assert len(live.events) == EVENT_WINDOW  # memory does not grow with the output
+        assert live.events[-1].seq == count + 2
+        # a watcher from the start: the store has what left the window, in order, no gap
+        seen = []
+        watcher = node.manager.watch(run)
+        for _ in range(count + 2):
+            seen.append(await watcher.__anext__())
+        assert [e.seq for e in seen] == list(range(1, count + 3))
+        assert "".join(e.text for e in seen) == "".join(f"{i} " for i in range(count))
+        page = await node.manager.events(run, after_seq=0, limit=3)
+        assert [e.seq for e in page] == [1, 2, 3]
+        tail = await node.manager.events(run, after_seq=count, limit=9)
+        assert [e.seq for e in tail] == [count + 1, count + 2]
+        script.finish()
+        assert (await watcher.__anext__()).kind is EventKind.SUCCEEDED
+        with pytest.raises(StopAsyncIteration):
+            await watcher.__anext__()
+
+
+async def submit_text(node: Node, target: str, text: str) -> str:
+    return (await node.manager.submit(RunSpec(target, text))).record.run_id

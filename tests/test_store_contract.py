@@ -153,6 +153,9 @@ async def test_events_after_seq(store):
     assert await store.events("r1", after_seq=2) == deltas
     assert await store.events("r1", after_seq=4) == deltas[-1:]
     assert await store.events("r1", after_seq=5) == []
+    assert await store.events("r1", after_seq=1, limit=2) == everything[1:3]
+    assert await store.events("r1", limit=0) == []
+    assert await store.events("r1", after_seq=4, limit=9) == deltas[-1:]
     assert await store.events("r1", after_seq=50) == []
     assert await store.events("r1", after_seq=-3) == everything
 

@@ -13,6 +13,7 @@ by params (target profile or run options):
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -74,8 +75,7 @@ class EchoAdapter(Adapter):
             fail_after = int(_number(params, "fail_after", 0))
         repeat = int(_number(params, "repeat", 1))
         text = request.messages[-1][1] if request.messages else request.prompt
-        words = _WORD.findall(text) * repeat
-        chunks = self._chunks(words, delay, fail_after, str(params.get("fail_message", "")))
+        chunks = self._chunks(text, repeat, delay, fail_after, str(params.get("fail_message", "")))
         self.opened += 1
         try:
             yield chunks
@@ -84,15 +84,16 @@ class EchoAdapter(Adapter):
             await chunks.aclose()
 
     async def _chunks(
-        self, words: list[str], delay: float, fail_after: int | None, fail_message: str
+        self, text: str, repeat: int, delay: float, fail_after: int | None, fail_message: str
     ) -> AsyncGenerator[Chunk, None]:
-        sent = words if fail_after is None else words[:fail_after]
-        for word in sent:
+        # words are found as they are sent, so a long echo costs no memory of its own
+        words = (word.group() for _ in range(repeat) for word in _WORD.finditer(text))
+        sent = 0
+        for word in itertools.islice(words, fail_after):
             await trio.sleep(delay)
             yield Delta(word)
+            sent += 1
         if fail_after is not None:
-            raise AdapterError(
-                "engine_error", fail_message or f"echo failed after {len(sent)} deltas"
-            )
+            raise AdapterError("engine_error", fail_message or f"echo failed after {sent} deltas")
         await trio.lowlevel.checkpoint()
-        yield Completion(Usage("stop", prompt_tokens=len(words), completion_tokens=len(words)))
+        yield Completion(Usage("stop", prompt_tokens=sent, completion_tokens=sent))

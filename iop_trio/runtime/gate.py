@@ -294,14 +294,11 @@ class Gate:
             self._grant(ticket)
             await trio.lowlevel.cancel_shielded_checkpoint()
             return Permit(self, ticket)
-        if self._queued >= self.max_queued or (
-            lane.max_queued is not None and len(lane.waiting) >= lane.max_queued
-        ):
+        full = self._full(lane)
+        if full is not None:
+            # the message is made before the checkpoint, so it counts what refused the run
             await trio.lowlevel.cancel_shielded_checkpoint()
-            raise GateRejected(
-                RejectReason.QUEUE_FULL,
-                f"{self._queued} runs queued on the node, {len(lane.waiting)} on {target}",
-            )
+            raise GateRejected(RejectReason.QUEUE_FULL, full)
         timeout = self.queue_timeout if lane.queue_timeout is None else lane.queue_timeout
         if timeout <= 0:
             await trio.lowlevel.cancel_shielded_checkpoint()
@@ -323,6 +320,19 @@ class Gate:
                 RejectReason.QUEUE_TIMEOUT, f"no capacity on {target} within {timeout:g}s"
             )
         return Permit(self, ticket)
+
+    def _full(self, lane: _Lane) -> str | None:
+        """Which queue bound a new waiter of ``lane`` would break, in words; None if none."""
+        if self._queued >= self.max_queued:
+            return (
+                f"the node's queue is full (max_queued {self.max_queued}, {self._queued} waiting)"
+            )
+        if lane.max_queued is not None and len(lane.waiting) >= lane.max_queued:
+            return (
+                f"the queue of {lane.name} is full "
+                f"(its max_queued {lane.max_queued}, {len(lane.waiting)} waiting)"
+            )
+        return None
 
     def _grantable(self, lane: _Lane) -> bool:
         return (

@@ -18,7 +18,9 @@ the run FAILED(internal) and is logged.
 
 from __future__ import annotations
 
+import collections
 import logging
+import math
 import re
 import time
 import uuid
@@ -72,29 +74,49 @@ class _Outcome:
     usage: Usage | None = None
 
 
+#: How many of a live run's latest events are kept in memory for its watchers;
+#: a watcher further behind reads from the store.
+EVENT_WINDOW = 1024
+#: How many stored events a watcher reads at a time.
+STORE_PAGE = 1000
+
+
 @attrs.define(eq=False, repr=False)
 class _LiveRun:
-    """A run whose task is alive: its state, cancel scope and events for watchers.
+    """A run whose task is alive: its state, cancel scope and latest events for watchers.
 
-    ``ended`` is set once the final event is published (and its write done
-    or given up). The wakeup Event is made only when somebody waits, which
-    keeps a queued run small.
+    ``events`` holds the last :data:`EVENT_WINDOW` published events (each is
+    in the store before it is published), so a run's memory does not grow
+    with its output. ``ended`` is set once the final event is published (and
+    its write done or given up). The wakeup Event is made only when somebody
+    waits, which keeps a queued run small.
     """
 
     state: RunState
     owner: Hashable | None
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     cancel_reason: str = ""
-    events: list[RunEvent] = attrs.field(factory=list)
+    events: collections.deque[RunEvent] = attrs.field(
+        factory=lambda: collections.deque(maxlen=EVENT_WINDOW)
+    )
+    published: int = 0  # the seq of the last published event
     ended: bool = False
     _changed: trio.Event | None = None
 
     def __repr__(self) -> str:
-        return f"<LiveRun {self.state.record!r}>"
+        return f"<LiveRun {self.state.record!r} published={self.published}>"
 
     def publish(self, event: RunEvent) -> None:
         self.events.append(event)
+        self.published = event.seq
         self._wake()
+
+    def event(self, seq: int) -> RunEvent | None:
+        """The published event ``seq`` if it is still in the window, else None."""
+        if not self.events:
+            return None
+        index = seq - self.events[0].seq
+        return self.events[index] if 0 <= index < len(self.events) else None
 
     def end(self) -> None:
         self.ended = True
@@ -120,8 +142,9 @@ class RunWatcher:
     """Async iterator over a run's events with ``seq > after_seq``, live until the terminal one.
 
     For a run that has ended it yields the stored events and stops. A slow
-    reader never slows the run: live events are kept in memory until the run
-    ends, and read from the store after that.
+    reader never slows the run and costs it no memory: it reads from the live
+    run's window of recent events while it keeps up, and from the store (a
+    page at a time) when it falls behind or once the run has ended.
     """
 
     def __init__(self, manager: RunManager, run_id: str, after_seq: int) -> None:
@@ -129,7 +152,7 @@ class RunWatcher:
         self.run_id = run_id
         self.next_seq = after_seq + 1
         self._live = manager._live.get(run_id)
-        self._backlog: list[RunEvent] | None = None
+        self._backlog: collections.deque[RunEvent] = collections.deque()
 
     def __repr__(self) -> str:
         return f"<RunWatcher {self.run_id} next_seq={self.next_seq}>"
@@ -138,24 +161,38 @@ class RunWatcher:
         return self
 
     async def __anext__(self) -> RunEvent:
-        live = self._live
-        if live is None:
-            if self._backlog is None:
-                self._backlog = await self._manager._store.events(
-                    self.run_id, after_seq=self.next_seq - 1
-                )
-            if not self._backlog:
-                raise StopAsyncIteration
-            event = self._backlog.pop(0)
-        elif len(live.events) >= self.next_seq:
-            await trio.lowlevel.checkpoint()
-            event = live.events[self.next_seq - 1]
-        else:
-            while len(live.events) < self.next_seq:
-                if live.ended:
+        while True:
+            if self._backlog:
+                await trio.lowlevel.checkpoint()
+                return self._take(self._backlog.popleft())
+            live = self._live
+            if live is not None:
+                event = live.event(self.next_seq)
+                if event is not None:
+                    await trio.lowlevel.checkpoint()
+                    return self._take(event)
+                if self.next_seq > live.published:
+                    if live.ended:
+                        raise StopAsyncIteration
+                    await live.wait_changed()
+                    continue
+            # the run has ended, or this watcher fell behind its window: the store has it
+            page = await self._manager._store.events(
+                self.run_id, after_seq=self.next_seq - 1, limit=STORE_PAGE
+            )
+            if not page:
+                if live is None or not live.events:
                     raise StopAsyncIteration
-                await live.wait_changed()
-            event = live.events[self.next_seq - 1]
+                log.warning(
+                    "run %s: events %d-%d are neither stored nor in memory; skipped",
+                    self.run_id,
+                    self.next_seq,
+                    live.events[0].seq - 1,
+                )
+                self.next_seq = live.events[0].seq
+            self._backlog.extend(page)
+
+    def _take(self, event: RunEvent) -> RunEvent:
         self.next_seq = event.seq + 1
         return event
 
@@ -169,6 +206,13 @@ def notify(
             listener(event, record)
         except Exception:
             log.exception("event listener %r failed", listener)
+
+
+def prompt_bytes(spec: RunSpec) -> int:
+    """The size of what a run asks the engine, in UTF-8: its prompt and chat messages."""
+    return len(spec.prompt.encode()) + sum(
+        len(role.encode()) + len(content.encode()) for role, content in spec.messages
+    )
 
 
 def _new_run_id() -> str:
@@ -220,13 +264,21 @@ class RunManager:
         ``owner`` names who asked (a session); foreground runs are cancelled
         by :meth:`abandon` with it. A ``spec.run_id`` that names a known run
         returns that run with ``existing=True`` and starts nothing. Raises
-        UnknownTarget, InvalidRequest or NodeUnavailable without creating a run.
+        UnknownTarget, InvalidRequest (a bad run_id, a prompt over the target's
+        ``max_prompt_bytes``) or NodeUnavailable without creating a run.
         """
         target = self._targets.get(spec.target)
         if target is None:
             raise UnknownTarget(spec.target)
         if not self._admitting:
             raise NodeUnavailable("the node is draining and admits no new runs")
+        if target.max_prompt_bytes is not None:
+            size = prompt_bytes(spec)
+            if size > target.max_prompt_bytes:
+                raise InvalidRequest(
+                    f"the prompt is {size} bytes, over the {target.max_prompt_bytes} "
+                    f"(max_prompt_bytes) that {spec.target} takes"
+                )
         if spec.run_id is not None:
             if not _RUN_ID.fullmatch(spec.run_id):
                 raise InvalidRequest(
@@ -302,11 +354,23 @@ class RunManager:
                 messages=spec.messages,
                 params=target.params_for(spec.options),
             )
-            return await self._execute(live, self._adapters[target.adapter], request)
+            limit = target.max_run_time
+            with trio.move_on_after(math.inf if limit is None else limit):
+                return await self._execute(live, self._adapters[target.adapter], request, target)
+            # leaving the adapter's stream on the deadline closed it
+            return _Outcome(
+                RunStatus.FAILED,
+                "run_timeout",
+                f"the run did not finish within {limit:g}s (max_run_time of {target.name})",
+            )
 
-    async def _execute(self, live: _LiveRun, adapter: Adapter, request: AdapterRequest) -> _Outcome:
+    async def _execute(
+        self, live: _LiveRun, adapter: Adapter, request: AdapterRequest, target: TargetSpec
+    ) -> _Outcome:
         usage: Usage | None = None
         completed = False
+        output = 0
+        max_output = math.inf if target.max_output_bytes is None else target.max_output_bytes
         try:
             async with adapter.open_stream(request) as chunks:
                 async for chunk in chunks:
@@ -315,8 +379,17 @@ class RunManager:
                         # reading the end of its response (so its connection is reused)
                         log.debug("run %s: %r after the completion ignored", request.run_id, chunk)
                     elif isinstance(chunk, Delta):
-                        if chunk.text:
-                            await self._emit(live, live.state.delta(chunk.text, time=self._now()))
+                        if not chunk.text:
+                            continue
+                        output += len(chunk.text.encode())
+                        if output > max_output:
+                            return _Outcome(
+                                RunStatus.FAILED,
+                                "output_limit",
+                                f"the output passed {target.max_output_bytes} bytes "
+                                f"(max_output_bytes of {target.name}); the engine was stopped",
+                            )
+                        await self._emit(live, live.state.delta(chunk.text, time=self._now()))
                     else:
                         usage = chunk.usage
                         completed = True
@@ -480,12 +553,18 @@ class RunManager:
     ) -> list[RunRecord]:
         return await self._store.list_runs(statuses=statuses, target=target, limit=limit)
 
-    async def events(self, run_id: str, *, after_seq: int = 0) -> list[RunEvent]:
+    async def events(
+        self, run_id: str, *, after_seq: int = 0, limit: int | None = None
+    ) -> list[RunEvent]:
+        """The run's published events with ``seq > after_seq`` (at most ``limit``)."""
         live = self._live.get(run_id)
-        if live is not None:
-            await trio.lowlevel.checkpoint()
-            return list(live.events[max(after_seq, 0) :])
-        return await self._store.events(run_id, after_seq=after_seq)
+        after_seq = max(after_seq, 0)
+        if live is None or not live.events or live.events[0].seq > after_seq + 1:
+            # ended, or asked for events that have left the live window
+            return await self._store.events(run_id, after_seq=after_seq, limit=limit)
+        await trio.lowlevel.checkpoint()
+        found = [e for e in live.events if e.seq > after_seq]
+        return found if limit is None else found[: max(limit, 0)]
 
     def watch(self, run_id: str, *, after_seq: int = 0) -> RunWatcher:
         """Events of ``run_id`` after ``after_seq``, following a live run to its end."""

@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 import attrs
 import trio
@@ -40,15 +41,25 @@ from .manager import RunManager, notify
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 @attrs.frozen
 class RuntimeLimits:
-    """Node-wide settings. ``queue_timeout`` 0 rejects at once when there is no capacity."""
+    """Node-wide settings. ``queue_timeout`` 0 rejects at once when there is no capacity.
+
+    ``max_prompt_bytes``, ``max_output_bytes`` and ``max_run_time`` bound each
+    run of a target that sets none of its own (None: no bound); see
+    :class:`~iop_trio.model.TargetSpec`.
+    """
 
     concurrency: int = 8
     max_queued: int = 1000
     queue_timeout: float = 30.0
     final_write_timeout: float = 10.0
+    max_prompt_bytes: int | None = 4 * 1024 * 1024
+    max_output_bytes: int | None = 16 * 1024 * 1024
+    max_run_time: float | None = 3600.0
 
 
 @attrs.frozen
@@ -57,6 +68,10 @@ class AdapterSlot:
 
     adapter: Adapter
     concurrency: int | None = None
+
+
+def _either(own: T | None, default: T | None) -> T | None:
+    return default if own is None else own
 
 
 class Node:
@@ -110,11 +125,21 @@ class Node:
                 max_queued=target.max_queued,
                 queue_timeout=target.queue_timeout,
             )
-            self.targets[target.name] = target
+            self.targets[target.name] = self._bounded(target)
         self._manager: RunManager | None = None
         self.started = trio.Event()
         # called with (event, record) for every run event, by every RunManager this node starts
         self.event_listeners: list[Callable[[RunEvent, RunRecord], None]] = []
+
+    def _bounded(self, target: TargetSpec) -> TargetSpec:
+        """``target`` with the node's run bounds where it sets none of its own."""
+        r = self.runtime
+        return attrs.evolve(
+            target,
+            max_prompt_bytes=_either(target.max_prompt_bytes, r.max_prompt_bytes),
+            max_output_bytes=_either(target.max_output_bytes, r.max_output_bytes),
+            max_run_time=_either(target.max_run_time, r.max_run_time),
+        )
 
     def __repr__(self) -> str:
         state = "running" if self._manager is not None else "idle"

@@ -70,8 +70,11 @@ class RunStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def events(self, run_id: str, *, after_seq: int = 0) -> list[RunEvent]:
-        """The run's events with ``seq > after_seq``, in order ([] for an unknown run)."""
+    async def events(
+        self, run_id: str, *, after_seq: int = 0, limit: int | None = None
+    ) -> list[RunEvent]:
+        """The run's events with ``seq > after_seq``, in order ([] for an unknown run);
+        at most ``limit`` of them (None: all)."""
 
     @abc.abstractmethod
     async def interrupt_unfinished(self, *, time: float, message: str) -> list[RunEvent]:

@@ -65,9 +65,13 @@ class MemoryStore(RunStore):
         ]
         return found[: max(limit, 0)]
 
-    async def events(self, run_id: str, *, after_seq: int = 0) -> list[RunEvent]:
+    async def events(
+        self, run_id: str, *, after_seq: int = 0, limit: int | None = None
+    ) -> list[RunEvent]:
         await trio.lowlevel.checkpoint()
-        return self._events.get(run_id, [])[max(after_seq, 0) :]
+        start = max(after_seq, 0)
+        end = None if limit is None else start + max(limit, 0)
+        return self._events.get(run_id, [])[start:end]
 
     async def interrupt_unfinished(self, *, time: float, message: str) -> list[RunEvent]:
         await trio.lowlevel.checkpoint()

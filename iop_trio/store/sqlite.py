@@ -388,11 +388,14 @@ class SqliteStore(RunStore):
 
         return await self._read(read)
 
-    async def events(self, run_id: str, *, after_seq: int = 0) -> list[RunEvent]:
+    async def events(
+        self, run_id: str, *, after_seq: int = 0, limit: int | None = None
+    ) -> list[RunEvent]:
         def read(conn: sqlite3.Connection) -> list[RunEvent]:
             rows = conn.execute(
-                f"SELECT {_EVENT_COLUMNS} FROM events WHERE run_id = ? AND seq > ? ORDER BY seq",
-                (run_id, after_seq),
+                f"SELECT {_EVENT_COLUMNS} FROM events WHERE run_id = ? AND seq > ? "
+                "ORDER BY seq LIMIT ?",
+                (run_id, after_seq, -1 if limit is None else max(limit, 0)),
             ).fetchall()
             return [_event(row) for row in rows]
 

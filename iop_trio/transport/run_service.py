@@ -108,7 +108,9 @@ class RunService:
         if message.include_events:
             # bounded by count and bytes, so the reply always fits in a frame
             budget = session.settings.max_message_size // 2
-            events = await manager.events(message.run_id, after_seq=after)
+            events = await manager.events(
+                message.run_id, after_seq=after, limit=MAX_EVENTS_PER_INFO + 1
+            )
             for event in events[:MAX_EVENTS_PER_INFO]:
                 converted = event_to_pb(event)
                 budget -= converted.ByteSize() + 8
