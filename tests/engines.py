@@ -534,6 +534,7 @@ class Wire:
     empty_content_types: tuple[str, ...]
     bad_params: tuple[Mapping[str, Any], ...]
     prompt_of: Callable[[Any], str]  # the prompt of a request body
+    is_probe: Callable[[Any], bool]  # a body asks for as little output as the engine allows
 
     def __repr__(self) -> str:
         return self.kind
@@ -608,6 +609,7 @@ OLLAMA = Wire(
     empty_content_types=(NDJSON,),
     bad_params=({"options": [1]}, {"system": 3}),
     prompt_of=lambda body: str(body["prompt"]),
+    is_probe=lambda body: body["options"]["num_predict"] == 1,
 )
 OPENAI = Wire(
     kind="openai",
@@ -633,6 +635,7 @@ OPENAI = Wire(
     empty_content_types=(SSE, JSON),
     bad_params=({"extra_body": "x"}, {"temperature": {0.5}}),
     prompt_of=lambda body: str(body["messages"][-1]["content"]),
+    is_probe=lambda body: body["max_tokens"] == 1 and "stream_options" not in body,
 )
 WIRES = (OLLAMA, OPENAI)
 

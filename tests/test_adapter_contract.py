@@ -222,10 +222,40 @@ async def test_bad_data_is_bad_response(wire, server, part):
     ids=repr,
 )
 async def test_empty_200_is_empty_response(wire, server, content_type, content_length):
-    reply = Reply(content_type=content_type, parts=[], content_length=content_length)
-    record, _ = await run_failing(wire, server, reply)
+    server.push(Reply(content_type=content_type, parts=[], content_length=content_length))
+    server.push(Reply(200, parts=[b"{}"], content_length=True))  # the repeated request: fine
+    record, _ = await run_failing(wire, server, None)
     assert (record.status, record.reason) == (RunStatus.FAILED, "empty_response")
     assert_names_engine(wire, record.message, server.url)
+    assert "the same request without streaming was accepted, HTTP 200" in record.message
+    streamed, probe = server.exchanges
+    assert streamed.json["stream"] is True
+    assert probe.json["stream"] is False
+    assert wire.is_probe(probe.json)
+    assert wire.prompt_of(probe.json) == wire.prompt_of(streamed.json)
+
+
+async def test_an_empty_streamed_answer_gets_the_engine_error_the_plain_request_gets(wire, server):
+    """llama.cpp's server answers a streamed prompt longer than its context 200 and
+    empty; asked without streaming, it says why."""
+    server.push(Reply(content_type=wire.content_type, parts=[]))
+    too_long = "the request exceeds the available context size, try increasing it"
+    server.push(wire.error(400, too_long))
+    record, _ = await run_failing(wire, server, None)
+    assert (record.status, record.reason) == (RunStatus.FAILED, "engine_error")
+    assert "HTTP 400 Bad Request" in record.message
+    assert too_long in record.message
+    assert "without streaming, after an empty streamed answer" in record.message
+    assert len(server.exchanges) == 2  # asked once more, no further
+
+
+async def test_an_empty_streamed_answer_whose_repeat_never_comes_is_empty_response(wire, server):
+    server.push(Reply(content_type=wire.content_type, parts=[]))
+    server.push(Reply.silent())
+    record, _ = await run_failing(wire, server, None, read_timeout=0.5)
+    assert (record.status, record.reason) == (RunStatus.FAILED, "empty_response")
+    assert "asked again: " in record.message
+    assert "no response within 0.5s" in record.message
 
 
 async def test_stream_without_its_end_is_truncated(wire, server):

@@ -30,6 +30,7 @@ from .engines import (
     JSON,
     OPENAI,
     SSE,
+    SSE_DONE,
     EngineServer,
     Reply,
     collect,
@@ -285,6 +286,20 @@ async def test_stream_without_done_is_truncated(server, parts):
     assert (record.status, record.reason) == (RunStatus.FAILED, "bad_response")
     assert "without 'data: [DONE]': truncated" in record.message
     assert [e.text for e in events if e.kind is EventKind.DELTA] == ["a"]
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        [SSE_DONE],  # llama.cpp's server cutting a second stream short
+        [sse(openai_chunk("", role="assistant")), sse(openai_chunk("half")), SSE_DONE],
+    ],
+)
+async def test_done_without_a_finish_reason_is_a_half_answer_not_success(server, parts):
+    record, _ = await run_failing(server, Reply(content_type=SSE, parts=parts))
+    assert (record.status, record.reason) == (RunStatus.FAILED, "bad_response")
+    assert "the engine ended the stream without finishing" in record.message
+    assert_names_engine(record.message, server.url)
 
 
 async def test_html_page_instead_of_a_stream_is_bad_response(server):

@@ -25,6 +25,7 @@ adapters feed with the body bytes as they come.
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
@@ -50,6 +51,9 @@ CLOSE_TIMEOUT = 5.0
 DRAIN_TIMEOUT = 1.0
 #: How much of an error body is read to find the engine's message.
 MAX_ERROR_BODY = 64 * 1024
+#: The longest wait for the answer to the request repeated without streaming after an
+#: empty streamed answer (see :meth:`HTTPAdapter.explain_empty`).
+PROBE_TIMEOUT = 30.0
 #: The longest line (NDJSON line, SSE field) accepted before the stream is refused.
 MAX_LINE = 16 * 1024 * 1024
 #: How much of an engine message (or of a bad line) is quoted in an AdapterError.
@@ -510,6 +514,101 @@ class HTTPAdapter(Adapter):
     def request_headers(self) -> dict[str, str]:
         """Headers of every request (subclasses add e.g. Authorization)."""
         return dict(self.settings.headers)
+
+    @abc.abstractmethod
+    def url(self, request: AdapterRequest) -> str:
+        """Where ``request`` is POSTed."""
+
+    @abc.abstractmethod
+    def request_body(self, request: AdapterRequest) -> dict[str, Any]:
+        """The JSON body for ``request``; AdapterError("invalid_params") for bad params."""
+
+    @abc.abstractmethod
+    def probe_body(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """``body`` asked without streaming and for as little output as the engine allows."""
+
+    @abc.abstractmethod
+    def chunks(
+        self, response: EngineResponse, request: AdapterRequest
+    ) -> AsyncGenerator[Chunk, None]:
+        """The run's chunks from a 2xx ``response``; AdapterError for a bad stream.
+
+        A stream that ends without the engine's sign that it finished raises
+        ``bad_response``; one with no data at all ``empty_response``.
+        """
+
+    @asynccontextmanager
+    async def open_stream(self, request: AdapterRequest) -> AsyncIterator[AsyncIterator[Chunk]]:
+        """POST the request and yield its chunks; see :class:`~iop_trio.adapters.base.Adapter`.
+
+        An empty 2xx answer is explained with :meth:`explain_empty` once the
+        response is closed.
+        """
+        url, body = self.url(request), self.request_body(request)
+        try:
+            async with self.post_stream(url, body, request) as response:
+                stream = EngineStream(
+                    self.chunks(response, request), run_id=request.run_id, where=response.where
+                )
+                try:
+                    yield stream
+                finally:
+                    await stream.aclose()
+        except AdapterError as exc:
+            if exc.reason != "empty_response":
+                raise
+            raise await self.explain_empty(url, body, request, exc) from None
+
+    async def explain_empty(
+        self, url: str, body: Mapping[str, Any], request: AdapterRequest, empty: AdapterError
+    ) -> AdapterError:
+        """The error to report for an empty streamed answer to ``body``.
+
+        Some engines (llama.cpp's server, for a prompt longer than its context)
+        answer a streamed request 200 with an empty body, and the same request
+        without streaming with the error. So the request is asked once more
+        without streaming and for as little output as the engine allows
+        (:meth:`probe_body`), bounded by :data:`PROBE_TIMEOUT`: an error status
+        becomes the run's error, with the engine's message; anything else
+        leaves ``empty``, saying what the second answer was.
+        """
+        where = self.where(url, request.model)
+        client = self.client
+        timeout = httpx.Timeout(min(PROBE_TIMEOUT, self.timeout.read or PROBE_TIMEOUT))
+        try:
+            with trio.move_on_after(PROBE_TIMEOUT) as scope:
+                http_request = client.build_request(
+                    "POST",
+                    url,
+                    json=self.probe_body(body),
+                    headers=self.request_headers(),
+                    timeout=timeout,
+                )
+                response = await client.send(http_request, stream=True)
+                try:
+                    probe = EngineResponse(response, where, timeout)
+                    if not response.is_success:
+                        await self._raise_status(probe)
+                finally:
+                    await response.aclose()
+        except AdapterError as exc:
+            return AdapterError(
+                exc.reason,
+                f"{exc.message} (the engine's answer to the request without "
+                "streaming, after an empty streamed answer)",
+            )
+        except httpx.HTTPError as exc:
+            detail = transport_error(exc, where, timeout, streaming=False).message
+            return AdapterError(empty.reason, f"{empty.message}; asked again: {detail}")
+        if scope.cancelled_caught:
+            return AdapterError(
+                empty.reason, f"{empty.message}; asked again, no answer within {PROBE_TIMEOUT:g}s"
+            )
+        return AdapterError(
+            empty.reason,
+            f"{empty.message} (the same request without streaming was accepted, "
+            f"HTTP {response.status_code})",
+        )
 
     @asynccontextmanager
     async def post_stream(

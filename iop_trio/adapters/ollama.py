@@ -31,8 +31,7 @@ body that ends before the ``done`` line -> ``bad_response`` (truncated).
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import attrs
@@ -41,7 +40,6 @@ import httpx
 from ..model import Usage
 from ._http import (
     EngineResponse,
-    EngineStream,
     HTTPAdapter,
     HTTPSettings,
     LineSplitter,
@@ -123,7 +121,6 @@ class OllamaAdapter(HTTPAdapter):
         return self.base_url + ("/api/chat" if request.is_chat else "/api/generate")
 
     def request_body(self, request: AdapterRequest) -> dict[str, Any]:
-        """The JSON body for ``request``; AdapterError("invalid_params") for bad params."""
         params = request.params
         given = params.get("options")
         if given is not None and not isinstance(given, Mapping):
@@ -154,20 +151,16 @@ class OllamaAdapter(HTTPAdapter):
             body["options"] = options
         return body
 
-    @asynccontextmanager
-    async def open_stream(self, request: AdapterRequest) -> AsyncIterator[AsyncIterator[Chunk]]:
-        body = self.request_body(request)
-        async with self.post_stream(self.url(request), body, request) as response:
-            stream = EngineStream(
-                self._chunks(response, request.is_chat), run_id=request.run_id, where=response.where
-            )
-            try:
-                yield stream
-            finally:
-                await stream.aclose()
+    def probe_body(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        options = dict(body.get("options") or {})
+        options["num_predict"] = 1
+        return {**body, "stream": False, "options": options}
 
-    async def _chunks(self, response: EngineResponse, chat: bool) -> AsyncGenerator[Chunk, None]:
+    async def chunks(
+        self, response: EngineResponse, request: AdapterRequest
+    ) -> AsyncGenerator[Chunk, None]:
         where = response.where
+        chat = request.is_chat
         lines = LineSplitter(cr=False)
         seen = False
         while True:

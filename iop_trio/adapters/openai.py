@@ -29,8 +29,7 @@ that is not a JSON object -> ``bad_response``; a 2xx body with nothing in it
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import attrs
@@ -40,7 +39,6 @@ from ..model import Usage
 from ._http import (
     MAX_LINE,
     EngineResponse,
-    EngineStream,
     HTTPAdapter,
     HTTPSettings,
     LineTooLong,
@@ -160,7 +158,6 @@ class OpenAIAdapter(HTTPAdapter):
         return headers
 
     def request_body(self, request: AdapterRequest) -> dict[str, Any]:
-        """The JSON body for ``request``; AdapterError("invalid_params") for bad params."""
         params = request.params
         extra = params.get("extra_body")
         if extra is not None and not isinstance(extra, Mapping):
@@ -179,19 +176,16 @@ class OpenAIAdapter(HTTPAdapter):
         body["stream"] = True
         return body
 
-    @asynccontextmanager
-    async def open_stream(self, request: AdapterRequest) -> AsyncIterator[AsyncIterator[Chunk]]:
-        body = self.request_body(request)
-        async with self.post_stream(self.endpoint, body, request) as response:
-            stream = EngineStream(
-                self._chunks(response), run_id=request.run_id, where=response.where
-            )
-            try:
-                yield stream
-            finally:
-                await stream.aclose()
+    def url(self, request: AdapterRequest) -> str:
+        return self.endpoint
 
-    async def _chunks(self, response: EngineResponse) -> AsyncGenerator[Chunk, None]:
+    def probe_body(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        probe = {k: v for k, v in body.items() if k != "stream_options"}
+        return {**probe, "stream": False, "max_tokens": 1}
+
+    async def chunks(
+        self, response: EngineResponse, request: AdapterRequest
+    ) -> AsyncGenerator[Chunk, None]:
         where = response.where
         progress = _Progress()
         if response.content_type.startswith("application/json"):
@@ -226,6 +220,13 @@ class OpenAIAdapter(HTTPAdapter):
                         "engine_error", f"{where}: engine error mid-stream: {quote(message)}"
                     )
                 if event.data.strip() == "[DONE]":
+                    if not progress.finish_reason:
+                        # llama.cpp's server ends a stream it interrupts this way
+                        raise AdapterError(
+                            "bad_response",
+                            f"{where}: the engine ended the stream without finishing "
+                            "(no finish_reason before [DONE])",
+                        )
                     yield progress.completion()
                     await response.drain()
                     return

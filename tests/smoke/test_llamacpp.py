@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -68,9 +69,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def llama_server() -> Iterator[str]:
-    """The base URL of a llama.cpp server running for this module."""
+@contextmanager
+def running_server(*flags: str) -> Iterator[str]:
+    """A llama.cpp server on a free loopback port for the body; yields its base URL."""
     model = find_model()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -91,9 +92,7 @@ def llama_server() -> Iterator[str]:
         # the GGUF's template is not recognised: the llama-2 fallback makes Gemma stop at once
         "--chat_format",
         "gemma",
-        # queue a second request instead of cutting the first one short
-        "--interrupt_requests",
-        "False",
+        *flags,
     ]
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -119,6 +118,20 @@ def llama_server() -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.fixture(scope="module")
+def llama_server() -> Iterator[str]:
+    """A server that queues a second request instead of cutting the first one short."""
+    with running_server("--interrupt_requests", "False") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def interrupting_server() -> Iterator[str]:
+    """A server at its default: a new request interrupts the stream in progress."""
+    with running_server() as url:
+        yield url
 
 
 def make_node(url: str, *, concurrency: int = 1, **params: object) -> Node:
@@ -205,3 +218,37 @@ async def test_two_concurrent_runs(llama_server):
     assert first.started is not None and second.started is not None
     assert first.finished is not None and second.finished is not None
     assert max(first.started, second.started) < min(first.finished, second.finished)
+
+
+async def test_a_stream_the_engine_cuts_short_is_failed_not_an_empty_success(
+    interrupting_server,
+):
+    """llama.cpp's default interrupt_requests ends one of two concurrent streams with
+    [DONE] and no finish reason: that run must not be stored SUCCEEDED with no text."""
+    node = make_node(interrupting_server, concurrency=2, max_tokens=64)
+    async with node.running():
+        prompts = ("Count from 1 to 60.", "List twenty fruits.")
+        runs = [
+            (await node.manager.submit(RunSpec(TARGET, prompt=prompt))).record.run_id
+            for prompt in prompts
+        ]
+        results = [await finish(node, run) for run in runs]
+    outcomes = [(record.status, record.reason) for record, _ in results]
+    for record, events in results:
+        if record.status is RunStatus.SUCCEEDED:
+            assert text_of(events).strip(), "a success has text"
+        else:
+            assert record.reason == "bad_response", record.message
+            assert "without finishing" in record.message
+    assert (RunStatus.FAILED, "bad_response") in outcomes, outcomes
+
+
+async def test_a_prompt_over_the_context_fails_with_the_engines_reason(llama_server):
+    """Streamed, llama.cpp answers 200 and nothing; the run says the prompt is too long."""
+    node = make_node(llama_server)
+    async with node.running():
+        spec = RunSpec(TARGET, prompt="word " * 3000)
+        record, _ = await finish(node, (await node.manager.submit(spec)).record.run_id)
+    assert record.status is RunStatus.FAILED
+    assert record.reason == "engine_error", record.message
+    assert "context" in record.message.lower(), record.message
