@@ -88,6 +88,7 @@ class RuntimeConfig:
     max_prompt_bytes: int | None = attrs.field(default=4 * 1024 * 1024, validator=_int_at_least(1))
     max_output_bytes: int | None = attrs.field(default=16 * 1024 * 1024, validator=_int_at_least(1))
     max_run_time: float | None = attrs.field(default=3600.0, validator=_positive)
+    store_grace: float = attrs.field(default=10.0, validator=_non_negative)
 
 
 @attrs.frozen
@@ -171,6 +172,7 @@ class NodeConfig:
             max_prompt_bytes=r.max_prompt_bytes,
             max_output_bytes=r.max_output_bytes,
             max_run_time=r.max_run_time,
+            store_grace=r.store_grace,
         )
 
     def edge_token(self) -> str | None:

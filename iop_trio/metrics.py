@@ -190,6 +190,12 @@ METRICS: tuple[MetricInfo, ...] = (
     MetricInfo(
         "iop_node_info", "gauge", ("node_id", "version"), "Always 1; the labels describe the node."
     ),
+    MetricInfo(
+        "iop_store_writable",
+        "gauge",
+        (),
+        "1 while the run store's writes go through; 0 while they fail (disk full, I/O error).",
+    ),
 )
 _HELP = {m.name: m.help for m in METRICS}
 
@@ -247,6 +253,7 @@ class _GateCollector:
         g["iop_node_admitting"].add_metric([], admitting)
         g["iop_node_live_runs"].add_metric([], live)
         g["iop_node_info"].add_metric([node.node_id, node.version], 1)
+        g["iop_store_writable"].add_metric([], int(node.store.health().writable))
         return list(g.values())
 
     @staticmethod
@@ -487,13 +494,16 @@ class NodeMetrics:
         return _WithoutCreated(self.registry)
 
     def health(self) -> tuple[bool, str]:
-        """(healthy, why): healthy while the node runs and admits runs."""
+        """(healthy, why): healthy while the node runs, admits runs and its store writes."""
         try:
             manager = self.node.manager
         except RuntimeError:
             return False, "stopped: the node is not running"
         if not manager.admitting:
             return False, "draining: the node admits no new runs"
+        store = self.node.store.health()
+        if not store.writable:
+            return False, f"store: the run store {store}"
         return True, "ok"
 
 

@@ -34,7 +34,7 @@ def loaded_by(module: str) -> set[str]:
         ("iop_trio.model", set()),
         ("iop_trio.lifecycle", set()),
         ("iop_trio.protocol", {"google.protobuf"}),
-        ("iop_trio.store", set()),
+        ("iop_trio.store", {"trio"}),  # an async interface; no sqlite3
         ("iop_trio.adapters", set()),
         ("iop_trio.runtime", {"trio"}),
     ],

@@ -470,6 +470,8 @@ async def test_final_write_is_bounded(autojump_clock):
         start = trio.current_time()
         await node.manager.cancel(run)
         assert trio.current_time() - start == pytest.approx(2.0)
+        # the run is known until the store says its writes are done (at once here)
+        await trio.testing.wait_all_tasks_blocked()
         assert node.manager.live_count() == 0
         assert borrowed(node) == (0, 0, 0, 0)
 

@@ -43,7 +43,7 @@ from ..model import (
     UnknownTarget,
     Usage,
 )
-from ..store.base import RunStore
+from ..store.base import RunStore, StoreError, StoreHealth, StoreUnavailable
 from .gate import Gate, GateRejected
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ class _LiveRun:
     owner: Hashable | None
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     cancel_reason: str = ""
+    stop_outcome: _Outcome | None = None  # set with a cancel that ends the run otherwise
     events: collections.deque[RunEvent] = attrs.field(
         factory=lambda: collections.deque(maxlen=EVENT_WINDOW)
     )
@@ -231,6 +232,7 @@ class RunManager:
         adapters: Mapping[str, Adapter],
         targets: Mapping[str, TargetSpec],
         final_write_timeout: float = 10.0,
+        store_grace: float = 10.0,
         new_run_id: Callable[[], str] = _new_run_id,
         wall_clock: Callable[[], float] = time.time,
         listeners: list[Callable[[RunEvent, RunRecord], None]] | None = None,
@@ -241,6 +243,9 @@ class RunManager:
         self._adapters = adapters
         self._targets = targets
         self.final_write_timeout = final_write_timeout
+        self.store_grace = store_grace
+        self._store_outage: trio.CancelScope | None = None
+        store.watch_health(self._store_health_changed)
         self._new_run_id = new_run_id
         self._now = wall_clock
         self._live: dict[str, _LiveRun] = {}
@@ -272,6 +277,9 @@ class RunManager:
             raise UnknownTarget(spec.target)
         if not self._admitting:
             raise NodeUnavailable("the node is draining and admits no new runs")
+        health = self._store.health()
+        if not health.writable:
+            raise StoreUnavailable(f"the node's run store {health}; retry later")
         if target.max_prompt_bytes is not None:
             size = prompt_bytes(spec)
             if size > target.max_prompt_bytes:
@@ -327,7 +335,9 @@ class RunManager:
             with live.scope:
                 outcome = await self._admit_and_execute(live, target, spec)
             if outcome is None:
-                outcome = _Outcome(RunStatus.CANCELLED, live.cancel_reason or "cancelled")
+                outcome = live.stop_outcome or _Outcome(
+                    RunStatus.CANCELLED, live.cancel_reason or "cancelled"
+                )
         except trio.Cancelled:
             # the node-wide nursery is being cancelled (shutdown)
             outcome = _Outcome(RunStatus.CANCELLED, "node_shutdown", "the node stopped")
@@ -427,12 +437,20 @@ class RunManager:
             with trio.move_on_after(self.final_write_timeout, shield=True) as scope:
                 await self._emit(live, event)
             if scope.cancelled_caught:
-                log.error(
-                    "run %s: final status %s not confirmed by the store within %ss",
-                    run_id,
-                    outcome.status.value,
-                    self.final_write_timeout,
-                )
+                # the store has the event and writes it in order when it can; the run is
+                # known here (get, cancel) until then, and its watchers have their end now
+                live.end()
+                health = self._store.health()
+                if health.writable:
+                    log.error(
+                        "run %s: final status %s not confirmed by the store within %ss",
+                        run_id,
+                        outcome.status.value,
+                        self.final_write_timeout,
+                    )
+                await self._store.sync()
+        except StoreError as exc:
+            log.warning("run %s: final status %s not stored: %s", run_id, outcome.status, exc)
         except Exception:
             log.exception("run %s: could not record final status %s", run_id, outcome.status)
         finally:
@@ -480,6 +498,43 @@ class RunManager:
             raise UnknownRun(run_id)
         return CancelOutcome(run_id, stored.status, False)
 
+    def stop_running(self, reason: str, message: str) -> list[str]:
+        """End every RUNNING run FAILED with ``reason`` (its engine stream closed); return
+        their ids. QUEUED runs go on waiting."""
+        ids = []
+        for run_id, live in self._live.items():
+            if live.state.status is RunStatus.RUNNING and not live.scope.cancel_called:
+                live.stop_outcome = _Outcome(RunStatus.FAILED, reason, message)
+                live.scope.cancel()
+                ids.append(run_id)
+        return ids
+
+    def _store_health_changed(self, health: StoreHealth) -> None:
+        """A store that cannot write for ``store_grace`` seconds stops the running runs:
+        their engines are freed, and their end is stored once the store writes again."""
+        if health.writable:
+            if self._store_outage is not None:
+                self._store_outage.cancel()
+                self._store_outage = None
+        elif self._store_outage is None:
+            self._store_outage = trio.CancelScope()
+            self._nursery.start_soon(self._stop_runs_after_grace, self._store_outage, health)
+
+    async def _stop_runs_after_grace(self, scope: trio.CancelScope, health: StoreHealth) -> None:
+        with scope:
+            await trio.sleep(self.store_grace)
+            stopped = self.stop_running(
+                "store_unavailable",
+                f"the run store {health} for {self.store_grace:g}s; the run was stopped",
+            )
+            if stopped:
+                log.warning(
+                    "the run store %s for %gs: stopped %d running runs",
+                    health,
+                    self.store_grace,
+                    len(stopped),
+                )
+
     def abandon(self, owner: Hashable, reason: str = "session_lost") -> list[str]:
         """Cancel the foreground runs of ``owner``; return their ids. Background runs go on."""
         ids = [run_id for run_id, live in self._live.items() if live.owner == owner]
@@ -516,7 +571,9 @@ class RunManager:
         and their caller can resubmit elsewhere); RUNNING runs get ``grace``
         seconds to finish, then are cancelled. Cancelled runs end CANCELLED
         with ``reason``. Returns how many runs were cancelled; every final
-        status is recorded before it returns.
+        status is recorded before it returns, unless the store cannot write:
+        then it returns within ``final_write_timeout`` seconds of the cancel, and
+        the rest is the store's to write (or to mark INTERRUPTED at the next start).
         """
         self.stop_admitting()
         cancelled = [
@@ -527,7 +584,16 @@ class RunManager:
         with trio.move_on_after(grace):
             await self.wait_idle()
         cancelled += self.cancel_all(reason)
-        await self.wait_idle()
+        while self._live:
+            with trio.move_on_after(self.final_write_timeout):
+                await self.wait_idle()
+            if self._live and not self._store.health().writable:
+                log.warning(
+                    "drained without storing the end of %d runs: the run store %s",
+                    len(self._live),
+                    self._store.health(),
+                )
+                break
         return len(cancelled)
 
     # --- reading -------------------------------------------------------------------------

@@ -50,7 +50,8 @@ class RuntimeLimits:
 
     ``max_prompt_bytes``, ``max_output_bytes`` and ``max_run_time`` bound each
     run of a target that sets none of its own (None: no bound); see
-    :class:`~iop_trio.model.TargetSpec`.
+    :class:`~iop_trio.model.TargetSpec`. A store that cannot write for
+    ``store_grace`` seconds stops the running runs (FAILED ``store_unavailable``).
     """
 
     concurrency: int = 8
@@ -60,6 +61,7 @@ class RuntimeLimits:
     max_prompt_bytes: int | None = 4 * 1024 * 1024
     max_output_bytes: int | None = 16 * 1024 * 1024
     max_run_time: float | None = 3600.0
+    store_grace: float = 10.0
 
 
 @attrs.frozen
@@ -193,6 +195,7 @@ class Node:
                     adapters=self._adapters,
                     targets=self.targets,
                     final_write_timeout=self.runtime.final_write_timeout,
+                    store_grace=self.runtime.store_grace,
                     listeners=self.event_listeners,
                 )
                 self.started.set()

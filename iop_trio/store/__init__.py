@@ -5,6 +5,6 @@ their modules: :mod:`iop_trio.store.sqlite` (the default) and
 :mod:`iop_trio.store.memory`.
 """
 
-from .base import RunStore, StoreError
+from .base import RunStore, StoreError, StoreHealth, StoreUnavailable
 
-__all__ = ["RunStore", "StoreError"]
+__all__ = ["RunStore", "StoreError", "StoreHealth", "StoreUnavailable"]

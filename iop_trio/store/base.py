@@ -5,18 +5,47 @@ events: the store folds each appended event into its own copy of the record
 (:func:`iop_trio.lifecycle.fold`), so the stored status always equals the last status
 event, and an event that breaks the lifecycle table or skips a seq is refused
 with an exception instead of being stored.
+
+A store whose writes fail for a passing reason (a full disk, an I/O error)
+says so in :meth:`RunStore.health`: new runs are refused with
+:class:`StoreUnavailable`, writes already taken wait and are made, in order,
+once it writes again.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+
+import attrs
+import trio
 
 from ..model import RunEvent, RunRecord, RunStatus
 
 
 class StoreError(Exception):
     """The store could not do what was asked (I/O, corruption, a refused event)."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot write now (disk full, I/O error): nothing was changed; retry later."""
+
+
+@attrs.frozen
+class StoreHealth:
+    """Whether the store writes; if not, since when (wall clock) and why."""
+
+    writable: bool = True
+    since: float | None = None
+    problem: str = ""
+
+    def __str__(self) -> str:
+        if self.writable:
+            return "writable"
+        return f"cannot write: {self.problem}"
+
+
+HealthListener = Callable[[StoreHealth], None]
 
 
 def check_first_event(record: RunRecord, event: RunEvent) -> None:
@@ -89,6 +118,19 @@ class RunStore(abc.ABC):
 
         Their events go with them. ``finished == finished_before`` is kept.
         """
+
+    async def sync(self) -> None:
+        """Return once every write taken before the call is durable (at once if none is
+        pending). Raises StoreUnavailable if the store gives up on one (when closed)."""
+        await trio.lowlevel.checkpoint()
+
+    def health(self) -> StoreHealth:
+        """Whether the store writes now."""
+        return StoreHealth()
+
+    def watch_health(self, listener: HealthListener) -> None:  # noqa: B027 - optional
+        """Call ``listener`` with the new health, in the calling Trio run's thread,
+        whenever it changes. A store that cannot fail never calls it."""
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Flush and release resources; the store is unusable afterwards."""

@@ -38,6 +38,21 @@ database stays consistent: whole transactions are lost, never half of one).
 Pass ``synchronous="FULL"`` to fsync every commit (each batch) and survive
 power loss too, at the cost of throughput.
 
+Faults
+------
+
+A batch that fails for a passing reason (SQLITE_FULL, SQLITE_IOERR,
+SQLITE_BUSY, ...: see :data:`_PASSING`) is rolled back and retried, with
+backoff, on a fresh connection, until it commits: nothing taken is lost or
+reordered. Meanwhile :meth:`SqliteStore.health` says the store cannot write
+(and why), the change is logged once each way and told to the
+:meth:`~SqliteStore.watch_health` listeners, and ``create`` refuses new runs
+at once with :class:`StoreUnavailable`. Once :meth:`aclose` is called, such
+writes get ``close_timeout`` more seconds; the ones still not made then
+fail with StoreUnavailable (their runs are INTERRUPTED at the next start).
+The WAL is checkpointed every :data:`WAL_AUTOCHECKPOINT` pages and kept to
+:data:`JOURNAL_SIZE_LIMIT` bytes.
+
 Cancellation
 ------------
 
@@ -59,6 +74,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, Generic, Literal, TypeVar, cast
 
@@ -75,7 +91,14 @@ from ..model import (
     RunStatus,
     Usage,
 )
-from .base import RunStore, StoreError, check_first_event
+from .base import (
+    HealthListener,
+    RunStore,
+    StoreError,
+    StoreHealth,
+    StoreUnavailable,
+    check_first_event,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +106,29 @@ T = TypeVar("T")
 
 #: The schema this code writes; PRAGMA user_version of the file.
 SCHEMA_VERSION = 1
+
+#: Primary SQLite result codes of failures that pass (the disk fills, an I/O error,
+#: another process holds a lock too long): the batch is retried, never refused.
+_PASSING = frozenset(
+    {
+        sqlite3.SQLITE_BUSY,
+        sqlite3.SQLITE_LOCKED,
+        sqlite3.SQLITE_NOMEM,
+        sqlite3.SQLITE_IOERR,
+        sqlite3.SQLITE_FULL,
+        sqlite3.SQLITE_CANTOPEN,
+        sqlite3.SQLITE_PROTOCOL,
+    }
+)
+#: Backoff between attempts at a batch whose writes fail (seconds, doubling).
+RETRY_INITIAL = 0.05
+RETRY_MAX = 1.0
+#: After aclose(), how long writes that cannot be made are still retried (by default).
+CLOSE_TIMEOUT = 5.0
+#: The WAL is checkpointed every this many pages (4 KiB each) ...
+WAL_AUTOCHECKPOINT = 256
+#: ... and truncated to at most this many bytes when it is reset, so a small disk holds.
+JOURNAL_SIZE_LIMIT = 1024 * 1024
 
 _SCHEMA = (
     """
@@ -206,7 +252,9 @@ class SqliteStore(RunStore):
 
     ``max_batch`` bounds the jobs committed in one transaction, ``readers`` the
     read connections (and so concurrent reads), ``busy_timeout`` (seconds) how
-    long to wait for a lock held by another process before failing.
+    long to wait for a lock held by another process before failing,
+    ``close_timeout`` how long writes that fail are still retried after
+    :meth:`aclose`.
 
     The store must be closed with :meth:`aclose`, which waits until every write
     already taken is committed. Calls after it raise StoreError.
@@ -220,6 +268,7 @@ class SqliteStore(RunStore):
         max_batch: int = 512,
         readers: int = 4,
         busy_timeout: float = 5.0,
+        close_timeout: float = CLOSE_TIMEOUT,
     ) -> None:
         self.path = os.fspath(path)
         if self.path in ("", ":memory:") or self.path.startswith("file:"):
@@ -231,6 +280,7 @@ class SqliteStore(RunStore):
         self.synchronous = synchronous
         self.max_batch = max_batch
         self.busy_timeout = busy_timeout
+        self.close_timeout = close_timeout
         # the job queue and the writer's life, guarded by _lock
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -248,6 +298,14 @@ class SqliteStore(RunStore):
         # test seam: called in the writer thread with the labels of each batch it has
         # taken, before its transaction begins (a test can hold the writer here)
         self._before_batch: Callable[[list[str]], None] | None = None
+        # test seam: statements the writer runs before each attempt at a batch (a test
+        # fills the "disk" with PRAGMA max_page_count, then lifts it)
+        self._test_pragmas: list[str] = []
+        # whether writes go through; written by the writer thread, read anywhere
+        self._health = StoreHealth()
+        self._health_listeners: list[tuple[trio.lowlevel.TrioToken, HealthListener]] = []
+        self._close_deadline: float | None = None  # monotonic; set by aclose()
+        self._conn: sqlite3.Connection | None = None  # the writer thread's connection
         # the writer thread's own: partial records (see _fold_record) of the live runs it
         # has seen, as in the database, so an append needs no SELECT; cleared when in doubt
         self._folds: dict[str, RunRecord] = {}
@@ -284,6 +342,33 @@ class SqliteStore(RunStore):
             commits=self._commits, jobs=self._jobs, events=self._events, pending=pending
         )
 
+    # --- health ------------------------------------------------------------------------
+
+    def health(self) -> StoreHealth:
+        """Whether writes go through now (see the module docstring's Faults)."""
+        return self._health
+
+    def watch_health(self, listener: HealthListener) -> None:
+        """Call ``listener(health)`` in this Trio run's thread whenever writes start or stop
+        going through."""
+        self._health_listeners.append((trio.lowlevel.current_trio_token(), listener))
+
+    def _set_health(self, health: StoreHealth) -> None:
+        # in the writer thread
+        self._health = health
+        if health.writable:
+            log.warning("run store %s writes again", self.path)
+        else:
+            log.warning(
+                "run store %s cannot write (%s); writes wait and are retried, new runs "
+                "are refused until it can",
+                self.path,
+                health.problem,
+            )
+        for token, listener in list(self._health_listeners):
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(listener, health)
+
     # --- the RunStore interface ----------------------------------------------------------
 
     async def ready(self) -> None:
@@ -307,9 +392,13 @@ class SqliteStore(RunStore):
         Raises StoreError if the run exists, if ``event`` is not the QUEUED
         event of ``record`` with seq 1, or if ``record.options`` cannot be
         JSON (options are stored as JSON: a tuple comes back as a list, a
-        non-string key as a string). All or nothing under cancellation (see
-        the module docstring).
+        non-string key as a string), and StoreUnavailable at once while the store
+        cannot write. All or nothing under cancellation (see the module docstring).
         """
+        health = self._health
+        if not health.writable:
+            await trio.lowlevel.checkpoint()
+            raise StoreUnavailable(f"the run store cannot write: {health.problem}")
         try:
             check_first_event(record, event)
         except StoreError:
@@ -436,14 +525,21 @@ class SqliteStore(RunStore):
 
         return await self._write(_Job("prune", work, withdrawable=True))
 
+    async def sync(self) -> None:
+        """Return once every write taken before the call is committed."""
+        await self._write(_Job("sync", lambda conn: None, withdrawable=True))
+
     async def aclose(self) -> None:
         """Commit every write already taken, stop the writer and close the file.
 
         Safe to call more than once (and concurrently): each call returns once
         the store is closed. If cancelled, the closing goes on in the
         background. Writes and reads after the first call raise StoreError.
+        Writes the store cannot make get ``close_timeout`` seconds more.
         """
         with self._lock:
+            if not self._closing:
+                self._close_deadline = time.monotonic() + self.close_timeout
             self._closing = True
             self._wakeup.notify_all()
             thread = self._thread
@@ -505,9 +601,8 @@ class SqliteStore(RunStore):
     # --- the writer thread ---------------------------------------------------------------
 
     def _writer_main(self) -> None:
-        conn: sqlite3.Connection | None = None
         try:
-            conn = self._open_writer()
+            self._conn = self._open_writer()
         except Exception as exc:
             self._open_error = _store_error(exc, f"cannot open run store {self.path!r}")
         finally:
@@ -532,10 +627,10 @@ class SqliteStore(RunStore):
                             hook([job.label for job in batch])
                         except Exception:
                             log.exception("run store: the before-batch hook failed")
-                    self._run_batch(conn, batch)
+                    self._run_batch(batch)
         finally:
-            if conn is not None:
-                conn.close()
+            if self._conn is not None:
+                self._conn.close()
 
     def _open_writer(self) -> sqlite3.Connection:
         conn = sqlite3.connect(
@@ -547,26 +642,46 @@ class SqliteStore(RunStore):
             if str(mode).lower() != "wal":
                 raise StoreError(f"cannot use WAL journal mode on {self.path!r} (got {mode})")
             conn.execute(f"PRAGMA synchronous = {self.synchronous}")
+            conn.execute(f"PRAGMA wal_autocheckpoint = {WAL_AUTOCHECKPOINT}")
+            conn.execute(f"PRAGMA journal_size_limit = {JOURNAL_SIZE_LIMIT}")
         except BaseException:
             conn.close()
             raise
         return conn
 
-    def _run_batch(self, conn: sqlite3.Connection | None, batch: list[_Job[Any]]) -> None:
-        try:
-            if conn is None:
-                assert self._open_error is not None
-                raise self._open_error
-            committed, events = self._transaction(conn, batch)
-        except Exception as exc:
-            error = _store_error(exc, "the run store could not commit")
-            for job in batch:
-                job.result = None
-                job.error = StoreError(str(error))
-                job.error.__cause__ = error.__cause__
-        else:
-            self._commits += committed
-            self._events += events
+    def _run_batch(self, batch: list[_Job[Any]]) -> None:
+        """Commit ``batch`` (retrying a passing failure, see Faults), then wake its callers."""
+        attempt = 0
+        while True:
+            try:
+                if self._open_error is not None:
+                    raise self._open_error
+                if self._conn is None:
+                    self._conn = self._open_writer()
+                for statement in self._test_pragmas:
+                    self._conn.execute(statement)
+                committed, events = self._transaction(self._conn, batch)
+            except Exception as exc:
+                passing = _passing(exc)
+                if passing is not None and self._wait_to_retry(passing, attempt):
+                    attempt += 1
+                    continue
+                if passing is not None:
+                    error: StoreError = StoreUnavailable(
+                        f"the run store could not write before it closed: {passing}"
+                    )
+                else:
+                    error = _store_error(exc, "the run store could not commit")
+                for job in batch:
+                    job.result = None
+                    job.error = type(error)(str(error))
+                    job.error.__cause__ = error.__cause__ or exc
+            else:
+                self._commits += committed
+                self._events += events
+                if not self._health.writable:
+                    self._set_health(StoreHealth())
+            break
         self._jobs += len(batch)
         by_token: dict[trio.lowlevel.TrioToken, list[_Job[Any]]] = {}
         for job in batch:
@@ -574,6 +689,25 @@ class SqliteStore(RunStore):
         for token, jobs in by_token.items():
             with contextlib.suppress(trio.RunFinishedError):  # nobody left to tell
                 token.run_sync_soon(self._wake, jobs)
+
+    def _wait_to_retry(self, problem: str, attempt: int) -> bool:
+        """After a passing failure: say so, drop the connection, wait the backoff.
+        False once the store is closing and its ``close_timeout`` is over."""
+        if self._health.writable:
+            self._set_health(StoreHealth(False, time.time(), problem))
+        if self._conn is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.close()
+            self._conn = None  # a fresh one for the next attempt
+        delay = min(RETRY_MAX, RETRY_INITIAL * 2 ** min(attempt, 16))
+        deadline = self._close_deadline
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            delay = min(delay, left)
+        time.sleep(delay)
+        return True
 
     def _transaction(self, conn: sqlite3.Connection, batch: list[_Job[Any]]) -> tuple[bool, int]:
         """Run the batch in one transaction; return whether it committed, and the events written.
@@ -591,6 +725,8 @@ class SqliteStore(RunStore):
                 try:
                     job.result = job.work(conn)
                 except Exception as exc:  # this job only; the batch goes on
+                    if _passing(exc) is not None:
+                        raise  # the whole batch is retried
                     self._folds.clear()  # the job may have changed one before it failed
                     if not isinstance(exc, StoreError | sqlite3.Error):
                         log.exception("run store: %s failed unexpectedly", job.label)
@@ -711,6 +847,17 @@ def _check_or_create_schema(conn: sqlite3.Connection) -> None:
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+
+
+def _passing(exc: BaseException) -> str | None:
+    """What went wrong, if ``exc`` (or its cause) is a passing SQLite failure; else None."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        code = getattr(seen, "sqlite_errorcode", None)
+        if isinstance(seen, sqlite3.Error) and code is not None and code & 0xFF in _PASSING:
+            return str(seen) or type(seen).__name__
+        seen = seen.__cause__
+    return None
 
 
 def _marks(n: int) -> str:

@@ -21,6 +21,7 @@ from ..protocol.convert import (
     summary_from_record,
 )
 from ..runtime import Node
+from ..store import StoreUnavailable
 from .session import ProtoSession
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ ERROR_CODES: Mapping[type[Exception], pb.ErrorCode] = {
     UnknownRun: pb.ERROR_CODE_UNKNOWN_RUN,
     InvalidRequest: pb.ERROR_CODE_INVALID,
     NodeUnavailable: pb.ERROR_CODE_UNAVAILABLE,
+    StoreUnavailable: pb.ERROR_CODE_STORE_UNAVAILABLE,
 }
 
 

@@ -41,6 +41,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_INVALID: _ClassVar[ErrorCode]
     ERROR_CODE_UNAVAILABLE: _ClassVar[ErrorCode]
     ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
+    ERROR_CODE_STORE_UNAVAILABLE: _ClassVar[ErrorCode]
 RUN_STATUS_UNSPECIFIED: RunStatus
 RUN_STATUS_QUEUED: RunStatus
 RUN_STATUS_RUNNING: RunStatus
@@ -66,6 +67,7 @@ ERROR_CODE_UNKNOWN_RUN: ErrorCode
 ERROR_CODE_INVALID: ErrorCode
 ERROR_CODE_UNAVAILABLE: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
+ERROR_CODE_STORE_UNAVAILABLE: ErrorCode
 
 class Envelope(_message.Message):
     __slots__ = ("nonce", "reply_to", "hello", "hello_ack", "run_request", "run_accepted", "run_event", "cancel_run", "cancel_result", "get_run", "run_info", "list_runs", "run_list", "set_limits", "error", "ping", "pong", "limits")

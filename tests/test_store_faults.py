@@ -1,0 +1,256 @@
+"""A store whose writes fail is one consistent story: writes wait and catch up, new runs are
+refused STORE_UNAVAILABLE, running runs are stopped after a grace, nothing is lost.
+
+The "full disk" is SQLite's own ``PRAGMA max_page_count``, set through the store's
+``_test_pragmas`` seam and lifted again; the last test uses a real 2 MiB tmpfs where
+the test may mount one. Real threads, real clock: every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sqlite3
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from iop_trio.lifecycle import RunState
+from iop_trio.metrics import NodeMetrics
+from iop_trio.model import EventKind, RunStatus
+from iop_trio.protocol import pb
+from iop_trio.runtime import Node, RunSpec, RuntimeLimits, TargetSpec
+from iop_trio.store import StoreHealth, StoreUnavailable
+from iop_trio.store.sqlite import JOURNAL_SIZE_LIMIT, SqliteStore
+from iop_trio.transport import RemoteError, open_runner
+
+from .support import ScriptedAdapter
+from .test_store_contract import running
+from .test_wire import TOKEN, stack
+
+LIMIT = 20  # seconds: a bound on anything that waits on the writer thread
+UNLIMITED = "PRAGMA max_page_count = 1073741823"
+
+
+def fill(store: SqliteStore) -> None:
+    """Let the database file grow no more: the next write that needs a page fails FULL."""
+    with contextlib.closing(sqlite3.connect(store.path)) as conn:
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    store._test_pragmas = [f"PRAGMA max_page_count = {pages}"]
+
+
+def lift(store: SqliteStore) -> None:
+    store._test_pragmas = [UNLIMITED]
+
+
+class HealthLog:
+    """The health changes a store reports, and a way to wait for the next one."""
+
+    def __init__(self, store: SqliteStore) -> None:
+        self.seen: list[StoreHealth] = []
+        self._changed = trio.Event()
+        store.watch_health(self._on)
+
+    def _on(self, health: StoreHealth) -> None:
+        self.seen.append(health)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_for(self, writable: bool) -> StoreHealth:
+        with trio.fail_after(LIMIT):
+            while not self.seen or self.seen[-1].writable is not writable:
+                await self._changed.wait()
+        return self.seen[-1]
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
+    made = SqliteStore(tmp_path / "runs.db", close_timeout=0.5)
+    try:
+        yield made
+    finally:
+        lift(made)
+        await made.aclose()
+
+
+BIG = "x" * 200_000  # a delta that needs new pages
+
+
+async def test_a_full_disk_holds_writes_refuses_new_runs_and_catches_up(store):
+    health = HealthLog(store)
+    state = await running(store, "r1")
+    fill(store)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(store.append, state.delta(BIG, time=103.0))
+        failing = await health.wait_for(writable=False)
+        assert "full" in failing.problem
+        assert store.health() == failing
+        assert failing.since is not None
+        # new runs are refused at once, with the reason; reads go on
+        record, first = RunState.create(run_id="r2", target="t", background=False, time=1.0)
+        with pytest.raises(StoreUnavailable, match="cannot write: database or disk is full"):
+            await store.create(record.record, first)
+        stored = await store.get("r1")
+        assert stored is not None and stored.status is RunStatus.RUNNING
+        # the held write waits; the disk gets room; it is made, in order
+        lift(store)
+        assert (await health.wait_for(writable=True)).writable
+    await store.append(state.transition(RunStatus.SUCCEEDED, time=104.0))
+    events = await store.events("r1")
+    assert [e.seq for e in events] == [1, 2, 3, 4]
+    assert events[2].text == BIG
+    assert [h.writable for h in health.seen] == [False, True]
+
+
+async def test_closing_while_the_disk_is_full_gives_up_after_close_timeout(tmp_path):
+    path = tmp_path / "runs.db"
+    store = SqliteStore(path, close_timeout=0.5)
+    health = HealthLog(store)
+    state = await running(store, "r1")
+    fill(store)
+    failed: list[BaseException] = []
+
+    async def append_big() -> None:
+        try:
+            await store.append(state.delta(BIG, time=103.0))
+        except StoreUnavailable as exc:
+            failed.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(append_big)
+        await health.wait_for(writable=False)
+        with trio.fail_after(LIMIT):
+            await store.aclose()
+    assert len(failed) == 1
+    assert "could not write before it closed" in str(failed[0])
+    # the next node finds the run unfinished, with a whole log
+    again = SqliteStore(path)
+    try:
+        [interrupted] = await again.interrupt_unfinished(time=200.0, message="restart")
+        assert (interrupted.run_id, interrupted.seq) == ("r1", 3)
+        assert [e.seq for e in await again.events("r1")] == [1, 2, 3]
+    finally:
+        await again.aclose()
+
+
+def node_on(store: SqliteStore, adapter: ScriptedAdapter) -> Node:
+    return Node(
+        node_id="n1",
+        adapters=[adapter],
+        targets=[TargetSpec("scripted", "m", concurrency=2)],
+        limits=RuntimeLimits(store_grace=0.5, final_write_timeout=0.5),
+        store=store,
+    )
+
+
+async def test_a_store_outage_stops_running_runs_and_the_store_catches_up(store):
+    adapter = ScriptedAdapter()
+    node = node_on(store, adapter)
+    health = HealthLog(store)
+    metrics = NodeMetrics(node)
+    async with stack(node) as s, open_runner(s.edge.client_url, token=TOKEN) as client:
+        run = await client.submit(RunSpec("scripted/m", "p", background=True))
+        watcher = node.manager.watch(run)
+        with trio.fail_after(LIMIT):
+            while (await watcher.__anext__()).kind is not EventKind.STARTED:
+                pass
+        fill(store)
+        adapter.script(run).delta(BIG)  # its write cannot be made
+        await health.wait_for(writable=False)
+        assert metrics.health() == (False, f"store: the run store {store.health()}")
+        # a new run is refused with a retryable code of its own, never INTERNAL
+        with pytest.raises(RemoteError) as refused:
+            await client.submit(RunSpec("scripted/m", "p"))
+        assert refused.value.code == pb.ERROR_CODE_STORE_UNAVAILABLE
+        assert "disk is full" in refused.value.message
+        # after the grace the running run is stopped: its engine is freed, its end is
+        # told to its watchers, and the store still has it running
+        with trio.fail_after(LIMIT):
+            async for event in watcher:
+                last = event
+        assert (last.kind, last.reason) == (EventKind.FAILED, "store_unavailable")
+        assert adapter.open_streams == []
+        stored = await store.get(run)
+        assert stored is not None and stored.status is RunStatus.RUNNING
+        assert node.manager.live_count() == 1  # known until the store has its end
+        # the disk gets room: the store catches up without a restart
+        lift(store)
+        await health.wait_for(writable=True)
+        with trio.fail_after(LIMIT):
+            await node.manager.wait_idle()
+        stored = await store.get(run)
+        assert stored is not None
+        assert (stored.status, stored.reason) == (RunStatus.FAILED, "store_unavailable")
+        kinds = [e.kind for e in await store.events(run)]
+        assert kinds == [EventKind.QUEUED, EventKind.STARTED, EventKind.DELTA, EventKind.FAILED]
+        assert metrics.health() == (True, "ok")
+        # and new runs are taken again
+        again = await client.submit(RunSpec("scripted/m", "p", background=True))
+        adapter.script(again).finish()
+
+
+# --- a real small disk ----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def small_disk(where: Path, size: str = "2m") -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``where``; skips the test where none can be mounted."""
+    where.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def fill_disk(path: Path) -> None:
+    """Write ``path`` until the file system is full."""
+    with path.open("wb") as filler:
+        try:
+            while True:
+                filler.write(b"\0" * 65536)
+                filler.flush()
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+
+
+async def test_on_a_real_small_disk_the_wal_stays_bounded_and_a_full_disk_recovers(tmp_path):
+    with small_disk(tmp_path / "disk") as disk:
+        store = SqliteStore(disk / "runs.db", close_timeout=0.5)
+        health = HealthLog(store)
+        try:
+            # far more runs than the 26 that filled a 2 MiB disk with WAL before
+            for i in range(300):
+                state = await running(store, f"r{i}")
+                await store.append(state.delta("some output " * 20, time=103.0))
+                await store.append(state.transition(RunStatus.SUCCEEDED, time=104.0))
+            wal = disk / "runs.db-wal"
+            assert wal.stat().st_size <= JOURNAL_SIZE_LIMIT + 64 * 1024
+            assert len(await store.list_runs(limit=1000)) == 300
+            # now the disk fills up for real, under a write larger than the WAL's room
+            state = await running(store, "last")
+            fill_disk(disk / "filler")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(store.append, state.delta("z" * 1_100_000, time=103.0))
+                failing = await health.wait_for(writable=False)
+                assert "full" in failing.problem
+                (disk / "filler").unlink()
+                await health.wait_for(writable=True)
+            assert [e.seq for e in await store.events("last")] == [1, 2, 3]
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                (disk / "filler").unlink()
+            await store.aclose()
