@@ -190,6 +190,10 @@ async def test_a_store_outage_stops_running_runs_and_the_store_catches_up(store)
         assert metrics.health() == (True, "ok")
         # and new runs are taken again
         again = await client.submit(RunSpec("scripted/m", "p", background=True))
+        with trio.fail_after(LIMIT):
+            async for event in node.manager.watch(again):
+                if event.kind is EventKind.STARTED:
+                    break
         adapter.script(again).finish()
 
 
@@ -217,11 +221,10 @@ def small_disk(where: Path, size: str = "2m") -> Iterator[Path]:
 
 def fill_disk(path: Path) -> None:
     """Write ``path`` until the file system is full."""
-    with path.open("wb") as filler:
+    with path.open("wb", buffering=0) as filler:
         try:
             while True:
                 filler.write(b"\0" * 65536)
-                filler.flush()
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 raise

@@ -32,6 +32,10 @@ import trio
 from ..model import RejectReason, UnknownTarget, check_limit, check_seconds
 
 
+class GateWithdrawn(Exception):
+    """The run was taken out of the queue (:meth:`Gate.withdraw`) before it got a permit."""
+
+
 class GateRejected(Exception):
     """The gate turned a run away; ``reason`` says why."""
 
@@ -47,6 +51,7 @@ class _Ticket:
     order: int
     task: trio.lowlevel.Task | None = None  # set while waiting
     granted: bool = False
+    withdrawn: bool = False
 
 
 @attrs.define(eq=False, repr=False)
@@ -138,6 +143,8 @@ class Gate:
         self._lanes: dict[str, _Lane] = {}
         # lanes that have waiters, for dispatch in O(targets)
         self._busy_lanes: dict[_Lane, None] = {}
+        # the waiting tickets by borrower, so a waiting run can be withdrawn
+        self._waiting: dict[object, _Ticket] = {}
         self._queued = 0
         self._order = 0
 
@@ -315,6 +322,8 @@ class Gate:
         with trio.move_on_after(timeout):
             await trio.lowlevel.wait_task_rescheduled(abort)
         ticket.task = None
+        if ticket.withdrawn:
+            raise GateWithdrawn()
         if not ticket.granted:
             raise GateRejected(
                 RejectReason.QUEUE_TIMEOUT, f"no capacity on {target} within {timeout:g}s"
@@ -349,9 +358,25 @@ class Gate:
         self._global.acquire_on_behalf_of_nowait(ticket)
         ticket.granted = True
 
+    def withdraw(self, borrower: object) -> bool:
+        """Take ``borrower``'s waiting run out of the queue: its :meth:`acquire` raises
+        GateWithdrawn. False (and nothing done) if it is not waiting.
+
+        Cheaper than cancelling the waiting task: no Cancelled is delivered, so a
+        drain can empty a queue of 100,000 runs quickly.
+        """
+        ticket = self._waiting.get(borrower)
+        if ticket is None or ticket.task is None:
+            return False
+        self._dequeue(ticket)
+        ticket.withdrawn = True
+        trio.lowlevel.reschedule(ticket.task)
+        return True
+
     def _enqueue(self, ticket: _Ticket) -> None:
         lane = ticket.lane
         lane.waiting[ticket] = None
+        self._waiting[ticket.borrower] = ticket
         self._busy_lanes[lane] = None
         self._queued += 1
 
@@ -359,6 +384,7 @@ class Gate:
         lane = ticket.lane
         if ticket in lane.waiting:
             del lane.waiting[ticket]
+            del self._waiting[ticket.borrower]
             self._queued -= 1
             if not lane.waiting:
                 del self._busy_lanes[lane]

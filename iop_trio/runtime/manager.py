@@ -44,7 +44,7 @@ from ..model import (
     Usage,
 )
 from ..store.base import RunStore, StoreError, StoreHealth, StoreUnavailable
-from .gate import Gate, GateRejected
+from .gate import Gate, GateRejected, GateWithdrawn
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,9 @@ class _LiveRun:
     state: RunState
     owner: Hashable | None
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    cancelling: bool = False  # a cancel or stop was asked for (the first reason wins)
     cancel_reason: str = ""
+    ended_in_bulk: bool = False  # taken out of the queue and ended by the manager
     stop_outcome: _Outcome | None = None  # set with a cancel that ends the run otherwise
     events: collections.deque[RunEvent] = attrs.field(
         factory=lambda: collections.deque(maxlen=EVENT_WINDOW)
@@ -334,6 +336,8 @@ class RunManager:
         try:
             with live.scope:
                 outcome = await self._admit_and_execute(live, target, spec)
+            if live.ended_in_bulk:
+                return  # its end is made and stored with others' (_end_in_bulk), not here
             if outcome is None:
                 outcome = live.stop_outcome or _Outcome(
                     RunStatus.CANCELLED, live.cancel_reason or "cancelled"
@@ -346,7 +350,8 @@ class RunManager:
             log.exception("run %s: internal error", run_id)
             outcome = _Outcome(RunStatus.FAILED, "internal", f"{type(exc).__name__}: {exc}")
         finally:
-            await self._finish(live, outcome or _Outcome(RunStatus.FAILED, "internal"))
+            if not live.ended_in_bulk:
+                await self._finish(live, outcome or _Outcome(RunStatus.FAILED, "internal"))
 
     async def _admit_and_execute(
         self, live: _LiveRun, target: TargetSpec, spec: RunSpec
@@ -355,6 +360,8 @@ class RunManager:
             permit = await self._gate.acquire(live, spec.target)
         except GateRejected as rejected:
             return _Outcome(RunStatus.REJECTED, rejected.reason.value, str(rejected))
+        except GateWithdrawn:  # cancelled while waiting: it never starts
+            return _Outcome(RunStatus.CANCELLED, live.cancel_reason or "cancelled")
         with permit:
             await self._emit(live, live.state.transition(RunStatus.RUNNING, time=self._now()))
             request = AdapterRequest(
@@ -472,11 +479,74 @@ class RunManager:
         closed. The first reason given wins.
         """
         live = self._live.get(run_id)
-        if live is None or live.scope.cancel_called:
-            return live is not None
-        live.cancel_reason = reason
-        live.scope.cancel()
+        if live is None:
+            return False
+        self._cancel(live, reason)
         return True
+
+    def _cancel(self, live: _LiveRun, reason: str) -> bool:
+        """Cancel ``live`` with ``reason``; False if a cancel or stop came first."""
+        if live.cancelling:
+            return False
+        live.cancelling = True
+        live.cancel_reason = reason
+        if not self._gate.withdraw(live):  # a waiting run leaves the queue without a Cancelled
+            live.scope.cancel()
+        return True
+
+    def _cancel_many(self, lives: Sequence[_LiveRun], reason: str) -> list[str]:
+        """Cancel these runs with ``reason``; return the ids of those cancelled now.
+
+        The ones waiting in the queue are taken out of it and ended together
+        (one store write for all: :meth:`_end_in_bulk`); the others are
+        cancelled one by one, as :meth:`cancel_nowait` does.
+        """
+        cancelled: list[str] = []
+        waiting: list[_LiveRun] = []
+        for live in lives:
+            if live.cancelling:
+                continue
+            live.cancelling = True
+            live.cancel_reason = reason
+            cancelled.append(live.state.record.run_id)
+            if self._gate.withdraw(live):
+                live.ended_in_bulk = True  # its task goes away without ending it
+                waiting.append(live)
+            else:
+                live.scope.cancel()
+        if waiting:
+            self._nursery.start_soon(self._end_in_bulk, waiting, reason)
+        return cancelled
+
+    async def _end_in_bulk(self, lives: list[_LiveRun], reason: str) -> None:
+        """End runs taken out of the queue CANCELLED(``reason``), their events written in
+        one go, bounded and shielded like one run's end (see :meth:`_finish`)."""
+        now = self._now()
+        events = [
+            live.state.transition(RunStatus.CANCELLED, time=now, reason=reason) for live in lives
+        ]
+        try:
+            with trio.move_on_after(self.final_write_timeout, shield=True) as scope:
+                await self._store.append_many(events)
+            if scope.cancelled_caught:
+                for live, event in zip(lives, events, strict=True):
+                    self._published(live, event)
+                    live.end()
+                if self._store.health().writable:
+                    log.error(
+                        "the end of %d cancelled runs not confirmed by the store within %ss",
+                        len(lives),
+                        self.final_write_timeout,
+                    )
+                await self._store.sync()
+        except StoreError as exc:
+            log.warning("the end of %d cancelled runs not all stored: %s", len(lives), exc)
+        finally:
+            for live, event in zip(lives, events, strict=True):
+                if not live.ended:
+                    self._published(live, event)
+                    live.end()
+                self._forget(live.state.record.run_id)
 
     async def cancel(self, run_id: str, reason: str = "cancelled") -> CancelOutcome:
         """Cancel a run and wait until its final status is recorded.
@@ -485,7 +555,7 @@ class RunManager:
         returned as it is). Raises UnknownRun for an id the node never had.
         """
         live = self._live.get(run_id)
-        if live is not None and not live.scope.cancel_called:
+        if live is not None and not live.cancelling:
             self.cancel_nowait(run_id, reason)
             await live.wait_ended()
             record = live.state.record
@@ -503,7 +573,8 @@ class RunManager:
         their ids. QUEUED runs go on waiting."""
         ids = []
         for run_id, live in self._live.items():
-            if live.state.status is RunStatus.RUNNING and not live.scope.cancel_called:
+            if live.state.status is RunStatus.RUNNING and not live.cancelling:
+                live.cancelling = True
                 live.stop_outcome = _Outcome(RunStatus.FAILED, reason, message)
                 live.scope.cancel()
                 ids.append(run_id)
@@ -537,16 +608,13 @@ class RunManager:
 
     def abandon(self, owner: Hashable, reason: str = "session_lost") -> list[str]:
         """Cancel the foreground runs of ``owner``; return their ids. Background runs go on."""
-        ids = [run_id for run_id, live in self._live.items() if live.owner == owner]
-        for run_id in ids:
-            self.cancel_nowait(run_id, reason)
-        return ids
+        lives = [live for live in self._live.values() if live.owner == owner]
+        self._cancel_many(lives, reason)
+        return [live.state.record.run_id for live in lives]
 
     def cancel_all(self, reason: str) -> list[str]:
-        ids = list(self._live)
-        for run_id in ids:
-            self.cancel_nowait(run_id, reason)
-        return ids
+        """Cancel every live run; return the ids of those this call cancelled."""
+        return self._cancel_many(list(self._live.values()), reason)
 
     # --- admission and draining ----------------------------------------------------------
 
@@ -576,11 +644,8 @@ class RunManager:
         the rest is the store's to write (or to mark INTERRUPTED at the next start).
         """
         self.stop_admitting()
-        cancelled = [
-            run_id
-            for run_id, live in list(self._live.items())
-            if live.state.status is RunStatus.QUEUED and self.cancel_nowait(run_id, reason)
-        ]
+        queued = [live for live in self._live.values() if live.state.status is RunStatus.QUEUED]
+        cancelled = self._cancel_many(queued, reason)
         with trio.move_on_after(grace):
             await self.wait_idle()
         cancelled += self.cancel_all(reason)

@@ -15,7 +15,7 @@ once it writes again.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 import attrs
 import trio
@@ -60,6 +60,12 @@ def check_first_event(record: RunRecord, event: RunEvent) -> None:
         raise StoreError(f"run {record.run_id} must start with a QUEUED event, seq 1")
 
 
+def refused_error(refused: Sequence[str]) -> StoreError:
+    """The error of an ``append_many`` whose events in ``refused`` (messages) were not stored."""
+    shown = "; ".join(refused[:3]) + ("; ..." if len(refused) > 3 else "")
+    return StoreError(f"{len(refused)} events refused: {shown}")
+
+
 class RunStore(abc.ABC):
     """Where runs and their events live. All methods are safe to call from many tasks."""
 
@@ -79,6 +85,14 @@ class RunStore(abc.ABC):
         The event is taken, in order after every earlier append, before the
         first checkpoint: if the caller is cancelled while waiting, the event
         is still written. Returns once it is durable.
+        """
+
+    @abc.abstractmethod
+    async def append_many(self, events: Sequence[RunEvent]) -> None:
+        """Append several events (of one run or many), as :meth:`append` does each, in order.
+
+        All are taken before the first checkpoint. Raises StoreError naming the
+        refused ones (see :func:`refused_error`) once the others are durable.
         """
 
     @abc.abstractmethod

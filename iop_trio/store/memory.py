@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import attrs
 import trio
 
 from ..lifecycle import RunState, fold
 from ..model import RunEvent, RunRecord, RunStatus
-from .base import RunStore, StoreError, check_first_event
+from .base import RunStore, StoreError, check_first_event, refused_error
 
 
 class MemoryStore(RunStore):
@@ -33,6 +33,17 @@ class MemoryStore(RunStore):
     async def append(self, event: RunEvent) -> None:
         self.append_nowait(event)
         await trio.lowlevel.cancel_shielded_checkpoint()
+
+    async def append_many(self, events: Sequence[RunEvent]) -> None:
+        refused = []
+        for event in events:
+            try:
+                self.append_nowait(event)
+            except StoreError as exc:
+                refused.append(str(exc))
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        if refused:
+            raise refused_error(refused)
 
     def append_nowait(self, event: RunEvent) -> None:
         record = self._runs.get(event.run_id)
