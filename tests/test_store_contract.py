@@ -287,6 +287,27 @@ async def test_append_cancelled_while_waiting_is_still_written(store):
     assert await store.get("r1") == state.record
 
 
+async def test_append_many_writes_every_event_in_order_and_names_the_refused(store):
+    a, b = await running(store, "a"), await running(store, "b")
+    events = [a.delta("a1", time=150.0), b.delta("b1", time=150.0), a.delta("a2", time=151.0)]
+    events += [b.transition(RunStatus.CANCELLED, time=152.0, reason="drain")]
+    events += [a.transition(RunStatus.SUCCEEDED, time=153.0)]
+    await store.append_many(events)
+    assert await store.get("a") == a.record
+    assert await store.get("b") == b.record
+    assert [e.text for e in await store.events("a", after_seq=2)] == ["a1", "a2", ""]
+    # one bad event is refused alone; the others are written
+    c = await running(store, "c")
+    good = c.delta("c1", time=160.0)
+    ghost = RunEvent("ghost", 1, EventKind.QUEUED, 160.0)
+    late = RunEvent("a", 9, EventKind.DELTA, 160.0, text="after the end")
+    with pytest.raises(StoreError, match=r"2 events refused: .*ghost"):
+        await store.append_many([ghost, good, late])
+    assert [e.text for e in await store.events("c", after_seq=2)] == ["c1"]
+    assert await seqs(store, "a") == [1, 2, 3, 4, 5]
+    await store.append_many([])
+
+
 async def test_concurrent_appends_to_many_runs(store):
     states = [await running(store, f"r{i}") for i in range(10)]
 

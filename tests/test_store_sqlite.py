@@ -589,3 +589,46 @@ async def test_same_answers_as_the_memory_store(ops):
                 assert await _dump(sqlite_store) == await _dump(memory)
         finally:
             await sqlite_store.aclose()
+
+
+# --- bulk writes ------------------------------------------------------------------------------
+
+
+async def test_a_batch_that_fails_in_bulk_is_made_job_by_job(store):
+    """A batch is written with a few multi-row statements; when that fails (here a stale
+    fold makes an event clash with a stored one), it is made again job by job, and only
+    the job at fault is refused."""
+    await running(store, "stale")
+    fine = await running(store, "fine")
+    store._folds["stale"].last_seq = 1  # as if its STARTED were not stored
+    clash = RunEvent("stale", 2, EventKind.DELTA, 5.0, text="clash")
+    gate = WriterGate(store)
+    errors: list[StoreError] = []
+
+    async def append_clash() -> None:
+        try:
+            await store.append(clash)
+        except StoreError as exc:
+            errors.append(exc)
+
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as nursery:
+            with gate:
+                nursery.start_soon(store.sync)
+                await gate.wait_held()
+                await in_order(
+                    nursery, append_clash, partial(store.append, fine.delta("ok", time=5.0))
+                )
+        assert gate.batches[-1] == ["append", "append"]  # one batch, both jobs
+    assert len(errors) == 1
+    assert "seq 2 after 2" in str(errors[0])
+    assert await seqs(store, "stale") == [1, 2]
+    assert [e.text for e in await store.events("fine", after_seq=2)] == ["ok"]
+
+
+async def test_many_events_in_one_job_are_one_commit(store):
+    states = [await running(store, f"r{i}") for i in range(50)]
+    before = store.statistics().commits
+    await store.append_many([s.transition(RunStatus.CANCELLED, time=9.0) for s in states])
+    assert store.statistics().commits == before + 1
+    assert {r.status for r in await store.list_runs(limit=100)} == {RunStatus.CANCELLED}
