@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 FLOOR  ?= .venv-floor
 
-.PHONY: run test test-floor lint typecheck unit proto bench smoke clean
+.PHONY: run test faults test-floor lint typecheck unit proto bench smoke clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,11 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 unit: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not faults"
+
+## faults: the fault suite: bursts, floods, kill -9, full disks, deaf peers, bad engines
+faults: $(STAMP)
+	$(PY) -m pytest -v -m faults -p no:cacheprovider --durations=5
 
 ## test-floor: the test suite against the lowest versions pyproject.toml allows
 ## (uv's lowest-direct resolution), so a declared floor is tested, not guessed
@@ -47,7 +51,7 @@ $(FLOOR)/.installed: pyproject.toml
 
 test-floor: $(FLOOR)/.installed
 	@echo "floors under test:" $$(grep -E '^(trio|trio-websocket|attrs|protobuf|httpx|cattrs|pyyaml|prometheus-client|hypercorn|pytest|pytest-trio|hypothesis|h11)==' $(FLOOR)/floor.txt)
-	$(FLOOR)/bin/python -m pytest -q -p no:cacheprovider
+	$(FLOOR)/bin/python -m pytest -q -p no:cacheprovider -m "not faults"
 
 ## proto: regenerate iop_trio/_gen from proto/
 proto: $(STAMP)
@@ -57,6 +61,8 @@ proto: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/gate.py
 	$(PY) benchmarks/store.py
+	$(PY) benchmarks/drain.py
+	$(PY) benchmarks/memory.py
 
 ## smoke: real-engine tests (llama.cpp server + Gemma 3 270M) in their own venv; opt-in
 smoke:

@@ -265,6 +265,7 @@ async def test_stream_without_its_end_is_truncated(wire, server):
     assert deltas(events) == ["a", "b"]
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("end", ["abort", "reset"])
 async def test_connection_dropped_mid_stream_is_connection(wire, server, end):
     record, events = await run_failing(wire, server, wire.reply(["a"], done=False, end=end))
@@ -273,12 +274,14 @@ async def test_connection_dropped_mid_stream_is_connection(wire, server, end):
     assert deltas(events) == ["a"]
 
 
+@pytest.mark.faults
 async def test_closed_without_a_response_is_connection(wire, server):
     record, _ = await run_failing(wire, server, Reply(end="abort", headers_now=False))
     assert (record.status, record.reason) == (RunStatus.FAILED, "connection")
     assert "before responding" in record.message
 
 
+@pytest.mark.faults
 async def test_engine_that_never_answers_times_out(wire, server):
     reply = server.push(Reply.silent())
     record, _ = await run_failing(wire, server, None, read_timeout=0.5)
@@ -290,6 +293,7 @@ async def test_engine_that_never_answers_times_out(wire, server):
         await exchange.disconnected.wait()
 
 
+@pytest.mark.faults
 async def test_stream_that_stalls_times_out(wire, server):
     reply = server.push(wire.reply(["a"], done=False, end="hang"))
     record, events = await run_failing(wire, server, None, read_timeout=0.5)
@@ -300,6 +304,7 @@ async def test_stream_that_stalls_times_out(wire, server):
         await (await reply.request()).disconnected.wait()
 
 
+@pytest.mark.faults
 async def test_connection_refused_fails_the_run(wire):
     with refused_port() as port:
         url = f"http://127.0.0.1:{port}"

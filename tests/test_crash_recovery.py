@@ -16,6 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import attrs
+import pytest
 import trio
 
 from iop_trio.adapters.echo import EchoAdapter
@@ -23,6 +24,11 @@ from iop_trio.runtime import EventKind, Node, RunStatus
 from iop_trio.store.sqlite import SqliteStore
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "procs"))
+from crashy_node import PATTERN  # noqa: E402  (what the child submits)
+
+pytestmark = pytest.mark.faults
+
 CHILD = Path(__file__).resolve().parent / "procs" / "crashy_node.py"
 TIMEOUT = 60  # seconds for the whole test; the child needs about one
 
@@ -190,6 +196,20 @@ async def test_kill_9_mid_run_then_restart(tmp_path):
     was_running = [r for r, kinds in interrupted.items() if EventKind.STARTED in kinds]
     was_queued = [r for r, kinds in interrupted.items() if kinds == [EventKind.QUEUED]]
     assert was_running, "no run was RUNNING at the kill"
+    # a run's deltas are written in batches nobody waits for (one in 64 is waited for): the
+    # ones the store had taken when the child died are there too, gap-free, and their text
+    # is a prefix of what the run streamed
+    prompts = {target: prompt for target, prompt, _ in PATTERN}
+    for run_id in was_running:
+        deltas = [e.text for e in events[run_id] if e.kind is EventKind.DELTA]
+        assert prompts[log.accepted[run_id]].startswith("".join(deltas)), run_id  # echo
+        reported = [seq for seq, kind in log.stored.get(run_id, []) if kind == "delta"]
+        assert len(deltas) >= len(reported)
+    assert any(
+        len([e for e in events[r] if e.kind is EventKind.DELTA])
+        > len([s for s, k in log.stored.get(r, []) if k == "delta"])
+        for r in was_running
+    ), "no delta nobody waited for reached the store"
     assert was_queued, "no run was QUEUED at the kill"
     ends = {r.status for r in records.values()}
     assert {

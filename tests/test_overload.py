@@ -27,6 +27,8 @@ from iop_trio.transport.auth import bearer_header
 
 from .test_wire import TOKEN, echo_node, stack
 
+pytestmark = pytest.mark.faults
+
 WAIT = 60
 
 

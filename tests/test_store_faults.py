@@ -32,6 +32,8 @@ from .support import ScriptedAdapter
 from .test_store_contract import running
 from .test_wire import TOKEN, stack
 
+pytestmark = pytest.mark.faults
+
 LIMIT = 20  # seconds: a bound on anything that waits on the writer thread
 UNLIMITED = "PRAGMA max_page_count = 1073741823"
 

@@ -32,6 +32,7 @@ import trio
 from ..adapters.base import Adapter, AdapterError, AdapterRequest, Delta
 from ..lifecycle import TRANSITIONS, RunState
 from ..model import (
+    EventKind,
     InvalidRequest,
     NodeUnavailable,
     RunEvent,
@@ -79,6 +80,8 @@ class _Outcome:
 EVENT_WINDOW = 1024
 #: How many stored events a watcher reads at a time.
 STORE_PAGE = 1000
+#: A run waits until its events are durable at least every this many deltas.
+SYNC_EVERY = 64
 
 
 @attrs.define(eq=False, repr=False)
@@ -98,6 +101,7 @@ class _LiveRun:
     cancelling: bool = False  # a cancel or stop was asked for (the first reason wins)
     cancel_reason: str = ""
     ended_in_bulk: bool = False  # taken out of the queue and ended by the manager
+    unsynced: int = 0  # deltas taken by the store since the last one that was waited for
     stop_outcome: _Outcome | None = None  # set with a cancel that ends the run otherwise
     events: collections.deque[RunEvent] = attrs.field(
         factory=lambda: collections.deque(maxlen=EVENT_WINDOW)
@@ -415,6 +419,21 @@ class RunManager:
         return _Outcome(RunStatus.SUCCEEDED, usage=usage)
 
     async def _emit(self, live: _LiveRun, event: RunEvent) -> None:
+        """Store ``event``, then publish it.
+
+        A delta is published as soon as the store has taken it; every
+        :data:`SYNC_EVERY`-th delta, like every status event, waits until it is
+        durable, and with it every delta before it (the store writes in order).
+        So a run's deltas are written in batches, at most SYNC_EVERY of them are
+        not yet durable (all within its window of events), and a crash leaves
+        a whole log whose text is a prefix of what was streamed.
+        """
+        if event.kind is EventKind.DELTA and live.unsynced < SYNC_EVERY:
+            live.unsynced += 1
+            self._store.append_nowait(event)
+            self._published(live, event)
+            return
+        live.unsynced = 0
         try:
             await self._store.append(event)
         finally:

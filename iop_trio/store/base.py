@@ -88,6 +88,12 @@ class RunStore(abc.ABC):
         """
 
     @abc.abstractmethod
+    def append_nowait(self, event: RunEvent) -> None:
+        """Take ``event`` to be appended, in order after every earlier append, and return
+        without waiting for it to be durable (a later :meth:`append` or :meth:`sync` that
+        returns says it is). A store that can refuse it only later logs the refusal."""
+
+    @abc.abstractmethod
     async def append_many(self, events: Sequence[RunEvent]) -> None:
         """Append several events (of one run or many), as :meth:`append` does each, in order.
 

@@ -448,6 +448,25 @@ class SqliteStore(RunStore):
         plan = ("append", event)
         await self._write(_Job("append", work, withdrawable=False, events=1, plan=plan))
 
+    def append_nowait(self, event: RunEvent) -> None:
+        """Queue ``event`` for the writer and return; see :meth:`RunStore.append_nowait`.
+
+        StoreError if the store is closed; a refusal (decided by the writer) is
+        logged. Must be called from the Trio thread.
+        """
+
+        def work(conn: sqlite3.Connection) -> None:
+            self._append(conn, event)
+
+        job = _Job("append", work, withdrawable=False, events=1, plan=("append", event))
+        job.task = None  # nobody waits for it
+        self._start()
+        with self._lock:
+            if self._closing:
+                raise StoreError(f"the store {self.path!r} is closed")
+            self._pending.append(job)
+            self._wakeup.notify()
+
     async def append_many(self, events: Sequence[RunEvent]) -> None:
         """Append several events in one write; see :meth:`RunStore.append_many`."""
         taken = tuple(events)
@@ -625,7 +644,7 @@ class SqliteStore(RunStore):
             if task is not None:
                 trio.lowlevel.reschedule(task)
             elif job.error is not None:
-                log.error("%s by a cancelled caller failed: %s", job.label, job.error)
+                log.error("%s that nobody waited for failed: %s", job.label, job.error)
 
     # --- the writer thread ---------------------------------------------------------------
 
