@@ -14,7 +14,7 @@ import trio
 import trio.testing
 from trio_websocket import open_websocket_url, serve_websocket
 
-from iop_trio.protocol import ProtoConnection, Role, pb
+from iop_trio.protocol import pb
 from iop_trio.runtime import RunSpec, RunStatus
 from iop_trio.transport import (
     RemoteError,
@@ -197,12 +197,3 @@ async def test_each_waiter_gets_its_own_session_closed():
             await client.session.aclose()
         assert len(caught) == 3
         assert len({id(exc) for exc in caught}) == 3
-
-
-def test_a_sans_io_connection_answers_nothing_twice():
-    """What the sessions build on: the first answer ends a call's exchange."""
-    edge, node = ProtoConnection[object](Role.EDGE), ProtoConnection[object](Role.RUNNER)
-    nonce, frame = edge.request("cancel_run", pb.CancelRun(run_id="r"))
-    node.receive(frame)
-    edge.receive(node.reply(nonce, "cancel_result", pb.CancelResult(run_id="r")))
-    assert edge.pending == 0
