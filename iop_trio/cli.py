@@ -393,7 +393,7 @@ def options_from_pairs(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 async def submit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from .transport import RemoteError, SessionClosed, open_runner
+    from .transport import RemoteError, ReplyTimeout, SessionClosed, open_runner
 
     try:
         options = options_from_pairs(ns.option or [])
@@ -421,6 +421,8 @@ async def submit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise CliError(f"the edge refused the run: {exc}") from None
     except (SessionClosed, OSError) as exc:
         raise CliError(f"lost the edge: {exc}") from None
+    except ReplyTimeout as exc:
+        raise CliError(f"the edge did not answer: {exc}") from None
     except Exception as exc:  # trio-websocket handshake errors
         if type(exc).__name__ == "ConnectionRejected":
             raise CliError(f"the edge refused the connection: {exc!r} (check --token)") from None
