@@ -75,7 +75,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, Generic, Literal, TypeVar, cast
 
 import attrs
@@ -779,15 +779,21 @@ class SqliteStore(RunStore):
         self, conn: sqlite3.Connection, batch: list[_Job[Any]]
     ) -> tuple[bool, int]:
         conn.execute("BEGIN IMMEDIATE")
-        try:
+        with self._undone_on_error(conn):
             events = self._bulk(conn, batch)
             conn.execute("COMMIT")
+        return True, events
+
+    @contextlib.contextmanager
+    def _undone_on_error(self, conn: sqlite3.Connection) -> Iterator[None]:
+        """Roll the transaction back (and forget the folds, now in doubt) if the body raises."""
+        try:
+            yield
         except BaseException:
             self._folds.clear()
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
-        return True, events
 
     def _bulk(self, conn: sqlite3.Connection, jobs: list[_Job[Any]]) -> int:
         """Make create, append and sync jobs with a few statements; return the events written.
@@ -853,7 +859,7 @@ class SqliteStore(RunStore):
         conn.execute("BEGIN IMMEDIATE")
         events = 0
         alone = len(batch) == 1
-        try:
+        with self._undone_on_error(conn):
             for job in batch:
                 if not alone:
                     conn.execute("SAVEPOINT job")
@@ -875,11 +881,6 @@ class SqliteStore(RunStore):
                 if not alone:
                     conn.execute("RELEASE job")
             conn.execute("COMMIT")
-        except BaseException:
-            self._folds.clear()
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
         return True, events
 
     def _append(self, conn: sqlite3.Connection, event: RunEvent) -> None:
