@@ -249,6 +249,18 @@ async def test_an_empty_streamed_answer_gets_the_engine_error_the_plain_request_
     assert len(server.exchanges) == 2  # asked once more, no further
 
 
+async def test_the_repeated_request_goes_again_if_its_connection_was_dropped(wire, server):
+    """llama.cpp's server resets the connection its empty answer came on; the repeated
+    request, taken from the pool, meets the reset and is sent once more."""
+    server.push(Reply(content_type=wire.content_type, parts=[]))
+    server.push(Reply(end="reset", headers_now=False))
+    server.push(wire.error(400, "the request exceeds the available context size"))
+    record, _ = await run_failing(wire, server, None)
+    assert (record.status, record.reason) == (RunStatus.FAILED, "engine_error")
+    assert "exceeds the available context size" in record.message
+    assert len(server.exchanges) == 3
+
+
 async def test_an_empty_streamed_answer_whose_repeat_never_comes_is_empty_response(wire, server):
     server.push(Reply(content_type=wire.content_type, parts=[]))
     server.push(Reply.silent())

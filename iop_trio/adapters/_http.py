@@ -568,7 +568,8 @@ class HTTPAdapter(Adapter):
         answer a streamed request 200 with an empty body, and the same request
         without streaming with the error. So the request is asked once more
         without streaming and for as little output as the engine allows
-        (:meth:`probe_body`), bounded by :data:`PROBE_TIMEOUT`: an error status
+        (:meth:`probe_body`; sent again once if the connection turns out to be
+        gone), bounded by :data:`PROBE_TIMEOUT`: an error status
         becomes the run's error, with the engine's message; anything else
         leaves ``empty``, saying what the second answer was.
         """
@@ -584,7 +585,12 @@ class HTTPAdapter(Adapter):
                     headers=self.request_headers(),
                     timeout=timeout,
                 )
-                response = await client.send(http_request, stream=True)
+                try:
+                    response = await client.send(http_request, stream=True)
+                except (httpx.NetworkError, httpx.RemoteProtocolError):
+                    # the engine may close the connection of the empty answer (llama.cpp's
+                    # server resets it): the pool gave us that one; once more, on a new one
+                    response = await client.send(http_request, stream=True)
                 try:
                     probe = EngineResponse(response, where, timeout)
                     if not response.is_success:
