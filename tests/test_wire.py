@@ -15,8 +15,11 @@ from hypothesis import strategies as st
 from trio_websocket import (
     ConnectionClosed,
     ConnectionRejected,
+    WebSocketConnection,
     open_websocket_url,
     serve_websocket,
+    wrap_client_stream,
+    wrap_server_stream,
 )
 
 from iop_trio.adapters.echo import EchoAdapter, EchoSettings
@@ -27,6 +30,7 @@ from iop_trio.store.memory import MemoryStore
 from iop_trio.transport import (
     Backoff,
     NodeLink,
+    ProtoSession,
     RemoteError,
     SessionSettings,
     open_runner,
@@ -365,6 +369,112 @@ async def test_heartbeat_ends_a_session_whose_peer_stopped_answering():
                     hello_timeout=60,
                 )
                 nursery.start_soon(client.run)
+                await client.wait_attempts(1)
+                assert "no pong" in client.last_error
+                nursery.cancel_scope.cancel()
+
+
+class _Steps(trio.abc.Instrument):
+    """Counts the steps of the tasks whose name contains ``word``."""
+
+    def __init__(self, word: str) -> None:
+        self.word = word
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if self.word in task.name:
+            self.steps += 1
+
+
+async def test_senders_waiting_for_room_go_in_order_one_wake_up_each():
+    """A slow reader makes senders wait for the outbox; they go first come, first sent,
+    and each frame written wakes one of them, not all (a thousand waiters must not
+    cost a thousand wake-ups per frame, nor starve one of them)."""
+    senders = 40
+    near, far = trio.testing.lockstep_stream_pair()  # a write waits for the peer's read
+    async with trio.open_nursery() as nursery:
+        accepted: list[WebSocketConnection] = []
+
+        async def accept() -> None:
+            request = await wrap_server_stream(nursery, far)
+            accepted.append(await request.accept())
+
+        nursery.start_soon(accept)
+        ws = await wrap_client_stream(nursery, near, "peer", "/")
+        await trio.testing.wait_all_tasks_blocked()
+        [peer] = accepted
+        session = ProtoSession(
+            ws, Role.RUNNER, settings=SessionSettings(ping_interval=0, send_buffer=1)
+        )
+        nursery.start_soon(session.run)
+        await session.started.wait()
+
+        async def sender(i: int) -> None:
+            await session.reply(10_000 + i, "pong", pb.Pong(time=i))
+
+        steps = _Steps("sender")
+        trio.lowlevel.add_instrument(steps)
+        try:
+            for i in range(senders):  # one at a time, so their order of arrival is known
+                nursery.start_soon(sender, i, name=f"sender-{i}")
+                await trio.testing.wait_all_tasks_blocked()
+            times = []
+            for _ in range(senders):
+                envelope = pb.Envelope.FromString(await peer.get_message())
+                times.append(envelope.pong.time)
+            await trio.testing.wait_all_tasks_blocked()
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+        assert times == list(range(senders))
+        # a few steps each (start, wake-up, checkpoints); waking all waiters for every
+        # frame would take about senders**2 / 2
+        assert steps.steps <= 6 * senders
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_whose_pongs_are_late_but_whose_frames_arrive_is_kept():
+    """Under load a pong can wait behind the peer's data; frames that keep coming
+    prove the peer alive, and the session ends only once it goes silent."""
+    node = echo_node(("a", 1))
+    talking = trio.Event()
+    stop_talking = trio.Event()
+
+    async def busy_edge(ws) -> None:  # type: ignore[no-untyped-def]
+        # never reads (so never pongs), but keeps sending frames until told to stop
+        conn: ProtoConnection[None] = ProtoConnection(Role.EDGE)
+        talking.set()
+        while not stop_talking.is_set():
+            _, frame = conn.request("ping", pb.Ping(time=1))
+            await ws.send_message(frame)
+            await trio.sleep(0.02)
+        await trio.sleep_forever()
+
+    settings = SessionSettings(ping_interval=0.05, ping_timeout=0.5)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(
+                lambda task_status: serve_websocket(
+                    lambda request: _accept_then(request, busy_edge),
+                    "127.0.0.1",
+                    0,
+                    ssl_context=None,
+                    message_queue_size=0,
+                    task_status=task_status,
+                )
+            )
+            async with node.running():
+                client = NodeLink(
+                    node,
+                    f"ws://127.0.0.1:{server.port}/node",
+                    settings=settings,
+                    backoff=FAST,
+                    hello_timeout=60,
+                )
+                nursery.start_soon(client.run)
+                await talking.wait()
+                await trio.sleep(2.0)  # forty unanswered pings, four ping timeouts
+                assert client.last_error == ""
+                stop_talking.set()
                 await client.wait_attempts(1)
                 assert "no pong" in client.last_error
                 nursery.cancel_scope.cancel()

@@ -9,13 +9,16 @@ kinds of task, all ending with the session:
 - the writer, the one task that writes to the socket, from the outbox:
   any number of tasks may send, a cancelled sender never leaves half a
   frame on the wire, and a sender waits while more than ``send_buffer``
-  bytes are unwritten (backpressure). What the reader itself must answer
-  (errors, pongs, UNAVAILABLE) is never dropped and never waits. A peer that
-  does not read its replies is closed (1008) once a frame has waited
-  ``send_timeout`` seconds to be written, or more than ``max_outbox`` bytes
-  are unwritten;
-- the heartbeat: a WebSocket ping every ``ping_interval`` seconds that must
-  be answered within ``ping_timeout``, else the session ends (close 1011);
+  bytes are unwritten (backpressure), in line: first come, first sent.
+  What the reader itself must answer (errors, pongs, UNAVAILABLE) is never
+  dropped and never waits. A peer that does not read its replies is closed
+  (1008) once a frame has waited ``send_timeout`` seconds to be written, or
+  more than ``max_outbox`` bytes are unwritten;
+- the heartbeat: a WebSocket ping every ``ping_interval`` seconds; the
+  session ends (close 1011) when ``ping_timeout`` seconds after a ping the
+  peer has sent neither its pong nor any frame for ``ping_timeout``. A busy
+  peer's pong can wait behind its data (or behind ours: a WebSocket reader
+  writes its pongs), so frames that keep arriving prove it alive too;
 - one handler task per request being answered. Requests come in two
   classes, calls and stream openers (``run_request``, ``get_run`` with
   ``follow``), each with its own bound: at most ``max_in_flight`` of a class
@@ -220,6 +223,7 @@ class ProtoSession:
         self.started = trio.Event()
         self.ended = trio.Event()
         self.frames_received = 0
+        self.heard_at = trio.current_time()  # when the peer last sent a frame
         self.bad_frames = 0
         self.refused = 0  # requests answered UNAVAILABLE for want of room
 
@@ -302,6 +306,7 @@ class ProtoSession:
                 self.close_reason = self.close_reason or f"connection closed ({detail})"
                 return
             self.frames_received += 1
+            self.heard_at = trio.current_time()
             try:
                 incoming = self._conn.receive(data)
             except ProtocolError as exc:
@@ -420,8 +425,7 @@ class ProtoSession:
                     await self._writer_lot.park()
                 frame = self._outbox.popleft()
                 self._outbox_bytes -= len(frame)
-                if self._outbox_bytes < self.settings.send_buffer:
-                    self._room_lot.unpark_all()
+                self._make_room()
                 with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
                     await self.ws.send_message(frame)
                 if scope.cancelled_caught:
@@ -436,21 +440,40 @@ class ProtoSession:
             self._end(f"socket broken: {exc}")
 
     async def _heartbeat(self) -> None:
+        """Ping every ``ping_interval``; end the session once the peer is silent.
+
+        A ping not answered within ``ping_timeout`` is forgiven while frames
+        still arrive (the peer is busy, not gone): it stays in flight, and a
+        later pong answers it too. The session ends only when a ping is
+        unanswered and nothing at all came for ``ping_timeout`` seconds.
+        """
         interval, timeout = self.settings.ping_interval, self.settings.ping_timeout
         while True:
             await trio.sleep(interval)
-            try:
-                with trio.fail_after(timeout):
-                    await self.ws.ping()
-            except trio.TooSlowError:
-                log.warning("session %s: no pong within %ss, closing", self.name, timeout)
-                self.close_reason = f"heartbeat: no pong within {timeout:g}s"
-                with trio.move_on_after(1):
-                    await self.ws.aclose(1011, "heartbeat timeout")
-                self._end(self.close_reason)
+            answered = trio.Event()
+            assert self._nursery is not None
+            # the ping is never cancelled half-written: only the wait for its pong is timed
+            self._nursery.start_soon(self._ping, answered)
+            with trio.move_on_after(timeout):
+                await answered.wait()
+            if self._closed:
                 return
-            except ConnectionClosed:
-                return
+            if answered.is_set():
+                continue
+            if trio.current_time() - self.heard_at < timeout:
+                log.debug("session %s: pong late, but frames are arriving", self.name)
+                continue
+            log.warning("session %s: no pong nor frame within %ss, closing", self.name, timeout)
+            self.close_reason = f"heartbeat: no pong within {timeout:g}s"
+            with trio.move_on_after(1):
+                await self.ws.aclose(1011, "heartbeat timeout")
+            self._end(self.close_reason)
+            return
+
+    async def _ping(self, answered: trio.Event) -> None:
+        with suppress(ConnectionClosed):
+            await self.ws.ping()
+            answered.set()
 
     # --- sending -------------------------------------------------------------------------
 
@@ -466,14 +489,23 @@ class ProtoSession:
                 f"{self.settings.max_message_size}"
             )
         await trio.lowlevel.checkpoint_if_cancelled()
-        while True:
+        if self._closed:
+            raise SessionClosed(f"session {self.name} is closed")
+        if self._outbox_bytes >= self.settings.send_buffer or self._room_lot:
+            # wait in line: the writer wakes one sender per frame it takes, in order, and
+            # the one woken goes (so a thousand waiters cost one wake-up per frame, and
+            # none of them waits behind later arrivals)
+            await self._room_lot.park()
             if self._closed:
                 raise SessionClosed(f"session {self.name} is closed")
-            if self._outbox_bytes < self.settings.send_buffer:
-                break
-            await self._room_lot.park()
         self._enqueue(frame)
+        self._make_room()
         await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def _make_room(self) -> None:
+        """Wake the next waiting sender if the outbox is below ``send_buffer``."""
+        if self._room_lot and self._outbox_bytes < self.settings.send_buffer:
+            self._room_lot.unpark()
 
     async def reply(self, reply_to: int, kind: str, message: Message) -> None:
         """Answer the peer's request ``reply_to`` (raises SessionClosed if gone)."""
