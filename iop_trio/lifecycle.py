@@ -89,6 +89,7 @@ def fold(record: RunRecord, event: RunEvent) -> None:
             record.reason = event.reason
             record.message = event.message
             record.usage = event.usage
+            record.retry_after = event.retry_after
     record.last_seq = event.seq
 
 
@@ -115,6 +116,8 @@ class RunState:
         prompt: str = "",
         messages: tuple[tuple[str, str], ...] = (),
         options: Mapping[str, Any] | None = None,
+        tenant: str = "",
+        priority: int = 0,
     ) -> tuple[RunState, RunEvent]:
         """A new run in QUEUED, and its ``queued`` event (seq 1)."""
         check_transition(run_id, None, RunStatus.QUEUED)
@@ -127,6 +130,8 @@ class RunState:
             prompt=prompt,
             messages=messages,
             options=dict(options) if options else _NO_OPTIONS,
+            tenant=tenant,
+            priority=priority,
         )
         event = RunEvent(run_id, 1, EventKind.QUEUED, time)
         record.last_seq = 1
@@ -147,11 +152,12 @@ class RunState:
         reason: str = "",
         message: str = "",
         usage: Usage | None = None,
+        retry_after: float | None = None,
     ) -> RunEvent:
         """Move to ``new`` and return its event; raises IllegalTransition.
 
         A REJECTED event needs a reason of :data:`~iop_trio.model.REJECT_REASONS`
-        (ValueError otherwise).
+        (ValueError otherwise); only it carries ``retry_after``.
         """
         check_transition(self.record.run_id, self.record.status, new)
         if new is RunStatus.REJECTED and reason not in REJECT_REASONS:
@@ -164,6 +170,7 @@ class RunState:
             reason=reason,
             message=message,
             usage=usage,
+            retry_after=retry_after if new is RunStatus.REJECTED else None,
         )
         fold(self.record, event)
         return event

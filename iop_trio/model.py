@@ -9,6 +9,8 @@ live in :mod:`iop_trio.lifecycle`, which alone makes events.
 from __future__ import annotations
 
 import enum
+import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -109,6 +111,7 @@ class RunEvent:
     reason: str = ""
     message: str = ""
     usage: Usage | None = None
+    retry_after: float | None = None  # REJECTED: when a run like it would likely get in
 
     @property
     def status(self) -> RunStatus | None:
@@ -144,6 +147,9 @@ class RunRecord:
     message: str = ""
     last_seq: int = 0
     usage: Usage | None = None
+    tenant: str = ""
+    priority: int = 0
+    retry_after: float | None = None
 
     def __repr__(self) -> str:
         reason = f"({self.reason})" if self.reason else ""
@@ -159,7 +165,12 @@ class RunRecord:
 
 @attrs.frozen
 class RunSpec:
-    """What a caller asks for. ``messages`` (role, content) make a chat run."""
+    """What a caller asks for. ``messages`` (role, content) make a chat run.
+
+    ``priority``: higher starts first. ``tenant``: who the run is for ("" is the
+    default tenant); tenants share a target fairly by weight. ``queue_timeout``:
+    the caller's own bound on waiting (the smaller of it and the target's applies).
+    """
 
     target: str
     prompt: str = ""
@@ -167,6 +178,9 @@ class RunSpec:
     background: bool = False
     run_id: str | None = None
     options: Mapping[str, Any] = attrs.field(factory=dict)
+    priority: int = 0
+    tenant: str = ""
+    queue_timeout: float | None = None
 
 
 @attrs.frozen
@@ -232,14 +246,55 @@ class Capabilities:
 
 
 @attrs.frozen
+class TenantLimits:
+    """A tenant's share: its fair-queueing ``weight`` (> 0), and optional bounds on its
+    waiting runs (node-wide) and on its runs at once. A tenant not set has these."""
+
+    weight: float = 1.0
+    max_queued: int | None = None
+    concurrency: int | None = None
+
+
+#: A tenant's name: what a config key, a store column and a metric label can hold.
+TENANT_NAME = re.compile(r"[A-Za-z0-9_.:@-]{0,128}")
+
+
+def tenant_problem(name: object) -> str | None:
+    """What is wrong with ``name`` as a tenant's name ("" is the default tenant), or None."""
+    if isinstance(name, str) and TENANT_NAME.fullmatch(name):
+        return None
+    return f"tenant {name!r} must be up to 128 characters of A-Z a-z 0-9 _ . : @ -"
+
+
+def check_tenant_limits(name: str, limits: TenantLimits) -> TenantLimits:
+    """``limits`` if they can be a tenant's share (weight a finite number > 0, bounds
+    limits or None), else ValueError naming the tenant."""
+    problem = tenant_problem(name)
+    if problem is not None:
+        raise ValueError(problem)
+    weight = limits.weight
+    if not (
+        isinstance(weight, int | float) and not isinstance(weight, bool) and 0 < weight < math.inf
+    ):
+        raise ValueError(f"tenant {name!r} weight must be a number > 0, not {weight!r}")
+    if limits.max_queued is not None:
+        check_limit(f"tenant {name!r} max_queued", limits.max_queued)
+    if limits.concurrency is not None:
+        check_limit(f"tenant {name!r} concurrency", limits.concurrency)
+    return limits
+
+
+@attrs.frozen
 class Limits:
-    """The limits in force. An adapter mapped to None has no bound of its own."""
+    """The limits in force. An adapter mapped to None has no bound of its own; tenants
+    lists those whose share was set."""
 
     concurrency: int
     max_queued: int
     queue_timeout: float
     adapters: Mapping[str, int | None]
     targets: Mapping[str, int]
+    tenants: Mapping[str, TenantLimits] = attrs.field(factory=dict)
 
 
 @attrs.frozen

@@ -41,6 +41,8 @@ def new_run(
     prompt: str = "hello",
     messages: tuple[tuple[str, str], ...] = (),
     options: dict[str, object] | None = None,
+    tenant: str = "",
+    priority: int = 0,
 ) -> tuple[RunState, RunEvent]:
     return RunState.create(
         run_id=run_id,
@@ -50,6 +52,8 @@ def new_run(
         prompt=prompt,
         messages=messages,
         options=options,
+        tenant=tenant,
+        priority=priority,
     )
 
 
@@ -352,6 +356,28 @@ async def test_list_runs_newest_first_filters_and_limit(store):
     ] == ["c"]
     assert await store.list_runs(target="echo/none") == []
     assert await store.list_runs(statuses=[RunStatus.INTERRUPTED]) == []
+
+
+async def test_list_runs_by_tenant_and_the_default_tenant(store):
+    await created(store, "a", tenant="acme", priority=5)
+    await created(store, "b")  # the default tenant, ""
+    await created(store, "c", tenant="acme", priority=-1)
+    assert [r.run_id for r in await store.list_runs(tenant="acme")] == ["c", "a"]
+    assert [r.run_id for r in await store.list_runs(tenant="")] == ["b"]
+    assert [r.run_id for r in await store.list_runs()] == ["c", "b", "a"]
+    assert await store.list_runs(tenant="nobody") == []
+    a = await store.get("a")
+    assert a is not None and (a.tenant, a.priority) == ("acme", 5)
+
+
+async def test_a_rejection_keeps_its_retry_hint(store):
+    state = await created(store, "r1", tenant="t")
+    event = state.transition(RunStatus.REJECTED, time=105.0, reason="queue_full", retry_after=2.5)
+    await store.append(event)
+    record = await store.get("r1")
+    assert record is not None and record.retry_after == 2.5
+    assert (await store.events("r1"))[-1].retry_after == 2.5
+    assert record == state.record
 
 
 async def test_list_runs_sees_status_changes(store):

@@ -170,6 +170,50 @@ def test_needs_a_file_path(path):
 # --- the schema version and unusable files ------------------------------------------------
 
 
+V1_SCHEMA = (
+    "CREATE TABLE runs (id INTEGER PRIMARY KEY, run_id TEXT NOT NULL UNIQUE, target TEXT NOT "
+    "NULL, status TEXT NOT NULL, background INTEGER NOT NULL, created REAL NOT NULL, prompt "
+    "TEXT NOT NULL, messages TEXT NOT NULL, options TEXT NOT NULL, started REAL, finished REAL, "
+    "reason TEXT NOT NULL, message TEXT NOT NULL, last_seq INTEGER NOT NULL, usage TEXT)",
+    "CREATE INDEX runs_status ON runs (status, id)",
+    "CREATE INDEX runs_target ON runs (target, id)",
+    "CREATE INDEX runs_finished ON runs (finished)",
+    "CREATE TABLE events (run_id TEXT NOT NULL, seq INTEGER NOT NULL, kind TEXT NOT NULL, "
+    "time REAL NOT NULL, text TEXT NOT NULL, reason TEXT NOT NULL, message TEXT NOT NULL, "
+    "usage TEXT, PRIMARY KEY (run_id, seq)) WITHOUT ROWID",
+)
+
+
+async def test_a_version_1_store_is_migrated_in_place(tmp_path):
+    path = tmp_path / "runs.db"
+    raw = sqlite3.connect(path)
+    for statement in V1_SCHEMA:
+        raw.execute(statement)
+    raw.execute(
+        "INSERT INTO runs VALUES (1, 'old', 'echo/m', 'queued', 0, 1.0, 'p', '[]', '{}', "
+        "NULL, NULL, '', '', 1, NULL)"
+    )
+    raw.execute("INSERT INTO events VALUES ('old', 1, 'queued', 1.0, '', '', '', NULL)")
+    raw.execute("PRAGMA user_version = 1")
+    raw.commit()
+    raw.close()
+    store = SqliteStore(path)
+    try:
+        record = await store.get("old")
+        assert record is not None
+        assert (record.tenant, record.priority, record.retry_after) == ("", 0, None)
+        [interrupted] = await store.interrupt_unfinished(time=2.0, message="restart")
+        assert interrupted.run_id == "old"
+        state = await created(store, "new", tenant="acme", priority=3)
+        assert await store.get("new") == state.record
+        assert [r.run_id for r in await store.list_runs(tenant="acme")] == ["new"]
+    finally:
+        await store.aclose()
+    raw = sqlite3.connect(path)
+    assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    raw.close()
+
+
 async def test_a_newer_schema_version_is_refused(tmp_path):
     path = tmp_path / "runs.db"
     old = SqliteStore(path)
@@ -182,16 +226,17 @@ async def test_a_newer_schema_version_is_refused(tmp_path):
 
     newer = SqliteStore(path)
     try:
-        with pytest.raises(StoreError, match=r"schema version 99, newer .* understands \(1\)"):
+        newer_version = rf"schema version {SCHEMA_VERSION + 98}, newer .* understands"
+        with pytest.raises(StoreError, match=rf"{newer_version} \({SCHEMA_VERSION}\)"):
             await newer.ready()
         assert "broken" in repr(newer)
         # every call says the same, and nothing is written
-        with pytest.raises(StoreError, match="schema version 99"):
+        with pytest.raises(StoreError, match=newer_version):
             await newer.get("r1")
         state, first = new_run("r2")
-        with pytest.raises(StoreError, match="schema version 99"):
+        with pytest.raises(StoreError, match=newer_version):
             await newer.create(state.record, first)
-        with pytest.raises(StoreError, match="schema version 99"):
+        with pytest.raises(StoreError, match=newer_version):
             await newer.interrupt_unfinished(time=1.0, message="m")
     finally:
         await newer.aclose()

@@ -24,7 +24,7 @@ from contextlib import asynccontextmanager, suppress
 import trio
 from trio_websocket import WebSocketConnection
 
-from ..model import InvalidRequest, RunSpec
+from ..model import InvalidRequest, RunSpec, tenant_problem
 from ..protocol import Request, Role, pb
 from ..transport.caller import ACK_TIMEOUT, RunnerClient, RunStream
 from ..transport.server import serve_proto
@@ -39,6 +39,9 @@ from ..transport.session import (
 log = logging.getLogger(__name__)
 
 RUN_OWNERS_KEPT = 100_000
+#: The retry hint (seconds) when a target's node is not connected or was lost: about
+#: the time a node takes to dial back (its backoff starts at a second).
+NODE_RETRY_AFTER = 2.0
 
 
 class NoNode(LookupError):
@@ -79,6 +82,10 @@ class Edge:
 
     ``ack_timeout`` bounds the wait for a node's first answer to any request
     the edge makes or relays (a client then gets UNAVAILABLE).
+
+    ``client_tenant`` is the tenant of every run a client asks for: the edge
+    sets it, whatever the client sent (until clients have identities of their
+    own, every holder of the token is this one tenant).
     """
 
     def __init__(
@@ -88,8 +95,13 @@ class Edge:
         edge_id: str = "edge",
         settings: SessionSettings | None = None,
         ack_timeout: float | None = ACK_TIMEOUT,
+        client_tenant: str = "",
     ) -> None:
+        problem = tenant_problem(client_tenant)
+        if problem is not None:
+            raise ValueError(problem)
         self.token = token
+        self.client_tenant = client_tenant
         self.edge_id = edge_id
         self.settings = settings or SessionSettings()
         self.ack_timeout = ack_timeout
@@ -314,7 +326,9 @@ class Edge:
                     f"{request.kind!r} goes to a node; the edge does not take it from clients",
                 )
         except NodeGone as exc:
-            await session.error(request.nonce, pb.ERROR_CODE_UNAVAILABLE, str(exc))
+            await session.error(
+                request.nonce, pb.ERROR_CODE_UNAVAILABLE, str(exc), retry_after=NODE_RETRY_AFTER
+            )
         except NoNode as exc:
             code = (
                 pb.ERROR_CODE_UNKNOWN_TARGET
@@ -325,16 +339,22 @@ class Edge:
         except InvalidRequest as exc:
             await session.error(request.nonce, pb.ERROR_CODE_INVALID, str(exc))
         except RemoteError as exc:
-            await session.error(request.nonce, exc.code, exc.message)
+            await session.error(request.nonce, exc.code, exc.message, retry_after=exc.retry_after)
         except (SessionClosed, ReplyTimeout) as exc:
             if not session.closed:
-                await session.error(request.nonce, pb.ERROR_CODE_UNAVAILABLE, f"node lost: {exc}")
+                await session.error(
+                    request.nonce,
+                    pb.ERROR_CODE_UNAVAILABLE,
+                    f"node lost: {exc}",
+                    retry_after=NODE_RETRY_AFTER,
+                )
 
     async def _relay_run(self, session: ProtoSession, request: Request) -> None:
         message = request.message
         assert isinstance(message, pb.RunRequest)
         if not message.target:
             raise InvalidRequest("run request without a target")
+        message.tenant = self.client_tenant  # who asks is the edge's to say, not the caller's
         handle = self.route(message.target)
         handle.in_flight += 1
         run_id = ""

@@ -256,8 +256,12 @@ class ProtoConnection(Generic[W]):
         getattr(envelope, kind).CopyFrom(message)
         return encode(envelope)
 
-    def error(self, reply_to: int, code: int, message: str) -> bytes:
-        return self.reply(reply_to, "error", pb.Error(code=code, message=message))  # type: ignore[arg-type]
+    def error(
+        self, reply_to: int, code: int, message: str, *, retry_after: float | None = None
+    ) -> bytes:
+        """An Error answer; ``retry_after`` seconds is a hint of when to try again."""
+        error = pb.Error(code=code, message=message, retry_after_s=retry_after or 0.0)  # type: ignore[arg-type]
+        return self.reply(reply_to, "error", error)
 
     # --- receiving -----------------------------------------------------------------------
 

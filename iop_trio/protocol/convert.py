@@ -23,6 +23,7 @@ from ..model import (
     RunRecord,
     RunSpec,
     RunStatus,
+    TenantLimits,
     Usage,
 )
 
@@ -109,6 +110,7 @@ def event_to_pb(event: RunEvent) -> pb.RunEvent:
         text=event.text,
         reason=event.reason,
         message=event.message,
+        retry_after_s=event.retry_after or 0.0,
     )
     if event.usage is not None:
         message.usage.CopyFrom(usage_to_pb(event.usage))
@@ -126,6 +128,7 @@ def event_from_pb(message: pb.RunEvent) -> RunEvent:
         reason=message.reason,
         message=message.message,
         usage=usage,
+        retry_after=message.retry_after_s or None,
     )
 
 
@@ -157,6 +160,9 @@ def summary_from_record(record: RunRecord) -> pb.RunSummary:
         started=record.started or 0.0,
         finished=record.finished or 0.0,
         last_seq=record.last_seq,
+        tenant=record.tenant,
+        priority=record.priority,
+        retry_after_s=record.retry_after or 0.0,
     )
 
 
@@ -167,6 +173,25 @@ def limits_to_pb(limits: Limits) -> pb.Limits:
         queue_timeout_s=limits.queue_timeout,
         adapters={k: v for k, v in limits.adapters.items() if v is not None},
         targets=dict(limits.targets),
+        tenants={name: tenant_limits_to_pb(t) for name, t in limits.tenants.items()},
+    )
+
+
+def tenant_limits_to_pb(limits: TenantLimits) -> pb.TenantLimits:
+    message = pb.TenantLimits(weight=limits.weight)
+    if limits.max_queued is not None:
+        message.max_queued = limits.max_queued
+    if limits.concurrency is not None:
+        message.concurrency = limits.concurrency
+    return message
+
+
+def tenant_limits_from_pb(message: pb.TenantLimits) -> TenantLimits:
+    """0 (unset) on the wire is weight 1; a bound left out is no bound."""
+    return TenantLimits(
+        weight=message.weight or 1.0,
+        max_queued=message.max_queued if message.HasField("max_queued") else None,
+        concurrency=message.concurrency if message.HasField("concurrency") else None,
     )
 
 
@@ -226,6 +251,9 @@ def spec_from_request(request: pb.RunRequest) -> RunSpec:
         background=request.background,
         run_id=request.run_id or None,
         options=options,
+        priority=request.priority,
+        tenant=request.tenant,
+        queue_timeout=(request.queue_timeout_s if request.HasField("queue_timeout_s") else None),
     )
 
 
@@ -235,7 +263,11 @@ def request_from_spec(spec: RunSpec) -> pb.RunRequest:
         prompt=spec.prompt,
         background=spec.background,
         run_id=spec.run_id or "",
+        priority=spec.priority,
+        tenant=spec.tenant,
     )
+    if spec.queue_timeout is not None:
+        request.queue_timeout_s = spec.queue_timeout
     for role, content in spec.messages:
         request.messages.append(pb.ChatMessage(role=role, content=content))
     if spec.options:

@@ -1,24 +1,42 @@
-"""The concurrency gate: a three-level CapacityLimiter hierarchy with one FIFO queue.
+"""The concurrency gate: a four-level CapacityLimiter hierarchy with one queue.
 
-A run holds one token of its target's limiter, one of its adapter's limiter and
-one of the global limiter, or none at all. Tokens are taken on behalf of the
-run's :class:`Permit`, always in the order target -> adapter -> global, and
-only when all three are free at once, so a run never sits on a token it cannot
-use yet: ``borrowed_tokens`` at every limiter equals the runs holding a permit
-under it.
+A run holds one token of its tenant's limiter, one of its target's, one of its
+adapter's and one of the global limiter, or none at all. Tokens are taken on
+behalf of the run's :class:`Permit`, always in the order tenant -> target ->
+adapter -> global (most specific first), and only when all four are free at
+once, so a run never sits on a token it cannot use yet: ``borrowed_tokens`` at
+every limiter equals the runs holding a permit under it. A tenant without a
+concurrency bound has an unbounded limiter.
 
-Waiting runs form one queue, FIFO per target. When capacity appears (a permit
-is released, a limit is raised) the gate grants, over and over, the oldest
-waiting run whose three limiters all have room. A run whose target is full
-therefore never blocks a run of another target (no head-of-line blocking),
-and within a target runs start in arrival order. Nobody waits inside a
-limiter, so the fixed acquisition order cannot deadlock.
+Waiting runs are ordered, within a target, by priority (higher first), then
+between tenants of one priority by weighted fair queueing, then FIFO within a
+tenant. When capacity appears (a permit is released, a limit is raised) the
+gate grants, over and over, the best waiting run whose four limiters all have
+room: the one of highest priority among the targets, the oldest of those on a
+tie. Fair queueing is start-time fair queueing by run count: each tenant's
+flow at a (target, priority) carries a virtual time, a grant adds 1/weight to
+it, the flow with the smallest time goes next (the older head on a tie), and a
+flow that becomes backlogged starts at the level's current virtual time, so no
+tenant saves up credit while idle. Two backlogged tenants of equal weight
+therefore alternate, whatever their arrival rates. A run whose target (or
+tenant) is full never blocks one that could run (no head-of-line blocking).
+Strict priority may starve a lower priority; such runs end REJECTED
+(queue_timeout) at their deadline.
 
-Admission (:meth:`Gate.acquire`): a run that can be granted at once is. Else,
-if the queue is full (``max_queued`` node-wide, or the target's own
-``max_queued``) it is rejected with ``queue_full`` at once; if its queue
-timeout is 0 it is rejected with ``queue_timeout`` at once; otherwise it waits
-at most ``queue_timeout`` seconds and is then rejected with ``queue_timeout``.
+:meth:`Gate._dispatch` is one synchronous function: per grant it looks at each
+target with waiters, and in each at its priority levels and their tenants,
+so a grant costs O(targets x (priorities + tenants)), whatever the number of
+waiting runs.
+
+Admission (:meth:`Gate.acquire`): a run whose four limiters have room is
+granted at once (nothing waiting could use that room: the gate always grants
+until nothing can start). Else, if a queue bound is reached (``max_queued``
+node-wide, the target's, the tenant's) it is rejected with ``queue_full`` at
+once; if its queue timeout (the smaller of the run's own and the target's or
+node's) is 0 it is rejected with ``queue_timeout`` at once; otherwise it waits
+at most that long and is then rejected with ``queue_timeout``. A rejection
+carries ``retry_after``: seconds until such a run would likely get in, from the
+recent rate of grants and the runs ahead.
 """
 
 from __future__ import annotations
@@ -29,7 +47,18 @@ from collections.abc import Iterator, Mapping
 import attrs
 import trio
 
-from ..model import RejectReason, UnknownTarget, check_limit, check_seconds
+from ..model import (
+    RejectReason,
+    TenantLimits,
+    UnknownTarget,
+    check_limit,
+    check_seconds,
+    check_tenant_limits,
+)
+
+#: Bounds on a retry hint, in seconds.
+MIN_RETRY_AFTER = 0.1
+MAX_RETRY_AFTER = 3600.0
 
 
 class GateWithdrawn(Exception):
@@ -37,17 +66,60 @@ class GateWithdrawn(Exception):
 
 
 class GateRejected(Exception):
-    """The gate turned a run away; ``reason`` says why."""
+    """The gate turned a run away; ``reason`` says why, ``retry_after`` (seconds) when a
+    run like it would likely get in."""
 
-    def __init__(self, reason: RejectReason, message: str) -> None:
+    def __init__(self, reason: RejectReason, message: str, retry_after: float) -> None:
         super().__init__(message)
         self.reason = reason
+        self.retry_after = retry_after
+
+
+def _has_room(limiter: trio.CapacityLimiter) -> bool:
+    return limiter.borrowed_tokens < limiter.total_tokens
+
+
+@attrs.define(eq=False, repr=False)
+class _Rate:
+    """Grants a second, as a moving average of the time between grants."""
+
+    interval: float | None = None
+    last: float | None = None
+
+    def tick(self, now: float) -> None:
+        if self.last is not None:
+            gap = now - self.last
+            self.interval = gap if self.interval is None else 0.8 * self.interval + 0.2 * gap
+        self.last = now
+
+    def wait_for(self, ahead: int, fallback: float) -> float:
+        """Seconds until ``ahead`` more grants, at the recent rate (``fallback`` if none)."""
+        guess = fallback if self.interval is None else (ahead + 1) * self.interval
+        return round(min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, guess)), 1)
+
+
+@attrs.define(eq=False, repr=False)
+class _Tenant:
+    """Who runs are for: a fair-queueing weight, a queue bound, a concurrency limiter."""
+
+    name: str
+    weight: float = 1.0
+    max_queued: int | None = None
+    limiter: trio.CapacityLimiter = attrs.field(factory=lambda: trio.CapacityLimiter(math.inf))
+    queued: int = 0  # waiting runs of this tenant, node-wide
+    configured: bool = False  # set by set_tenant; others are forgotten when idle
+
+    @property
+    def idle(self) -> bool:
+        return not self.configured and not self.queued and not self.limiter.borrowed_tokens
 
 
 @attrs.define(eq=False, repr=False)
 class _Ticket:
     borrower: object
     lane: _Lane
+    tenant: _Tenant
+    priority: int
     order: int
     task: trio.lowlevel.Task | None = None  # set while waiting
     granted: bool = False
@@ -55,8 +127,56 @@ class _Ticket:
 
 
 @attrs.define(eq=False, repr=False)
+class _Level:
+    """The waiting runs of one priority at one target: a FIFO flow per tenant, and the
+    virtual times of start-time fair queueing (see the module docstring)."""
+
+    flows: dict[_Tenant, dict[_Ticket, None]] = attrs.field(factory=dict)
+    vtime: dict[_Tenant, float] = attrs.field(factory=dict)
+    clock: float = 0.0
+
+    def add(self, ticket: _Ticket) -> None:
+        flow = self.flows.get(ticket.tenant)
+        if flow is None:  # the tenant becomes backlogged: it saved up nothing meanwhile
+            flow = self.flows[ticket.tenant] = {}
+            self.vtime[ticket.tenant] = max(self.vtime.get(ticket.tenant, 0.0), self.clock)
+        flow[ticket] = None
+
+    def remove(self, ticket: _Ticket) -> None:
+        tenant = ticket.tenant
+        flow = self.flows[tenant]
+        del flow[ticket]
+        if not flow:
+            del self.flows[tenant]
+            if self.vtime[tenant] <= self.clock:  # it would restart at the clock anyway
+                del self.vtime[tenant]
+
+    def pick(self) -> _Ticket | None:
+        """The head of the flow with the smallest virtual time (the older head on a tie)
+        among the tenants with room; None if none has."""
+        best: _Ticket | None = None
+        best_key = (math.inf, math.inf)
+        for tenant, flow in self.flows.items():
+            if not _has_room(tenant.limiter):
+                continue
+            head = next(iter(flow))
+            key = (self.vtime[tenant], head.order)
+            if key < best_key:
+                best, best_key = head, key
+        return best
+
+    def served(self, ticket: _Ticket) -> None:
+        """``ticket`` (its flow's head) is granted: the level's clock moves to its start."""
+        tenant = ticket.tenant
+        # never backwards: a tenant held back by its own concurrency bound starts late
+        self.clock = max(self.clock, self.vtime[tenant])
+        self.vtime[tenant] += 1.0 / tenant.weight
+        self.remove(ticket)
+
+
+@attrs.define(eq=False, repr=False)
 class _Lane:
-    """One target's limiters and its waiting tickets, oldest first."""
+    """One target's limiters and its waiting runs, by priority."""
 
     name: str
     adapter: str
@@ -64,14 +184,18 @@ class _Lane:
     adapter_limiter: trio.CapacityLimiter
     max_queued: int | None
     queue_timeout: float | None
-    waiting: dict[_Ticket, None] = attrs.field(factory=dict)
+    levels: dict[int, _Level] = attrs.field(factory=dict)
+    waiting: int = 0
+    rate: _Rate = attrs.field(factory=_Rate)
 
-    def head(self) -> _Ticket | None:
-        return next(iter(self.waiting), None)
-
-
-def _has_room(limiter: trio.CapacityLimiter) -> bool:
-    return limiter.borrowed_tokens < limiter.total_tokens
+    def pick(self) -> _Ticket | None:
+        """The best waiting run whose tenant has room (the lane's own room is the
+        caller's to check): highest priority, then fair, then oldest."""
+        for priority in sorted(self.levels, reverse=True):
+            ticket = self.levels[priority].pick()
+            if ticket is not None:
+                return ticket
+        return None
 
 
 @attrs.define(eq=False, repr=False)
@@ -122,13 +246,17 @@ class GateStatistics:
     adapters: Mapping[str, LimiterStats]
     targets: Mapping[str, LimiterStats]
     queued_by_target: Mapping[str, int]
+    tenants: Mapping[str, LimiterStats] = attrs.field(factory=dict)
+    queued_by_tenant: Mapping[str, int] = attrs.field(factory=dict)
 
 
 class Gate:
-    """Admits runs under the target / adapter / global limits; see the module docstring.
+    """Admits runs under the tenant / target / adapter / global limits; see the module
+    docstring.
 
     Limits are changed at runtime with :meth:`set_global_limit`,
-    :meth:`set_adapter_limit` and :meth:`set_target_limit`. Lowering a limit
+    :meth:`set_adapter_limit`, :meth:`set_target_limit` and :meth:`set_tenant`
+    (tenants not set have weight 1 and no bounds). Lowering a limit
     lets current holders finish and admits nobody new until the borrowed count
     is below the new limit; raising one admits waiting runs at once. A limit
     of 0 pauses that level: runs queue (or are rejected) as if it were full.
@@ -145,8 +273,10 @@ class Gate:
         self._busy_lanes: dict[_Lane, None] = {}
         # the waiting tickets by borrower, so a waiting run can be withdrawn
         self._waiting: dict[object, _Ticket] = {}
+        self._tenants: dict[str, _Tenant] = {}
         self._queued = 0
         self._order = 0
+        self._rate = _Rate()  # grants, node-wide
 
     def __repr__(self) -> str:
         g = self._global
@@ -228,6 +358,42 @@ class Gate:
         lane.target_limiter.total_tokens = check_limit(f"target {name!r} concurrency", limit)
         self._dispatch()
 
+    def set_tenant(self, name: str, limits: TenantLimits) -> None:
+        """Set a tenant's weight and bounds (all of them; a tenant never set has weight 1
+        and no bounds).
+
+        A lower bound cancels nobody: runs above it finish (or wait); a new
+        weight counts from the next grant. ValueError (nothing changed) for a
+        bad name, a weight that is not a number > 0 or a bound that is not a limit.
+        """
+        check_tenant_limits(name, limits)
+        tenant = self._tenant(name)
+        tenant.configured = True
+        tenant.weight = float(limits.weight)
+        tenant.max_queued = limits.max_queued
+        tenant.limiter.total_tokens = math.inf if limits.concurrency is None else limits.concurrency
+        self._dispatch()
+
+    def tenant_limits(self, name: str) -> TenantLimits:
+        """The share of tenant ``name`` in force (the defaults for one never set)."""
+        tenant = self._tenants.get(name)
+        if tenant is None:
+            return TenantLimits()
+        total = tenant.limiter.total_tokens
+        return TenantLimits(
+            tenant.weight, tenant.max_queued, None if total == math.inf else int(total)
+        )
+
+    def tenants(self) -> dict[str, TenantLimits]:
+        """The tenants whose share was set, and their shares."""
+        return {n: self.tenant_limits(n) for n, t in self._tenants.items() if t.configured}
+
+    def _tenant(self, name: str) -> _Tenant:
+        tenant = self._tenants.get(name)
+        if tenant is None:
+            tenant = self._tenants[name] = _Tenant(name)
+        return tenant
+
     def set_queue(
         self, *, max_queued: int | None = None, queue_timeout: float | None = None
     ) -> None:
@@ -273,7 +439,9 @@ class Gate:
             global_=stats(self._global),
             adapters={n: stats(lim) for n, lim in self._adapters.items()},
             targets={n: stats(lane.target_limiter) for n, lane in self._lanes.items()},
-            queued_by_target={n: len(lane.waiting) for n, lane in self._lanes.items()},
+            queued_by_target={n: lane.waiting for n, lane in self._lanes.items()},
+            tenants={n: stats(t.limiter) for n, t in self._tenants.items()},
+            queued_by_tenant={n: t.queued for n, t in self._tenants.items()},
         )
 
     def _lane(self, target: str) -> _Lane:
@@ -284,32 +452,50 @@ class Gate:
 
     # --- admission -----------------------------------------------------------------------
 
-    async def acquire(self, borrower: object, target: str) -> Permit:
+    async def acquire(
+        self,
+        borrower: object,
+        target: str,
+        *,
+        priority: int = 0,
+        tenant: str = "",
+        queue_timeout: float | None = None,
+    ) -> Permit:
         """Wait for a permit for ``target``, or raise :class:`GateRejected`.
 
         ``borrower`` names the holder in the limiters (it must not hold a
-        token of them already). Raises :class:`UnknownTarget` at once for a
-        target that is not registered. If cancelled while waiting the run
-        leaves the queue and holds nothing; a run granted in the same instant
-        its deadline passed keeps its permit. Always a checkpoint.
+        token of them already). ``queue_timeout`` is the run's own bound on
+        waiting; the smaller of it and the target's (or node's) applies. Raises
+        :class:`UnknownTarget` at once for a target that is not registered. If
+        cancelled while waiting the run leaves the queue and holds nothing; a
+        run granted in the same instant its deadline passed keeps its permit.
+        Raises GateWithdrawn if :meth:`withdraw` takes it out of the queue.
+        Always a checkpoint.
         """
         lane = self._lane(target)
         await trio.lowlevel.checkpoint_if_cancelled()
         self._order += 1
-        ticket = _Ticket(borrower, lane, self._order)
-        if not lane.waiting and self._grantable(lane):
+        ticket = _Ticket(borrower, lane, self._tenant(tenant), priority, self._order)
+        if self._grantable(lane, ticket.tenant):
+            # nothing waiting could use this room: the gate grants until none can start
             self._grant(ticket)
             await trio.lowlevel.cancel_shielded_checkpoint()
             return Permit(self, ticket)
-        full = self._full(lane)
+        full = self._full(lane, ticket.tenant)
         if full is not None:
-            # the message is made before the checkpoint, so it counts what refused the run
+            # made before the checkpoint, so the message counts what refused the run
+            message, retry_after = full
             await trio.lowlevel.cancel_shielded_checkpoint()
-            raise GateRejected(RejectReason.QUEUE_FULL, full)
+            raise GateRejected(RejectReason.QUEUE_FULL, message, retry_after)
         timeout = self.queue_timeout if lane.queue_timeout is None else lane.queue_timeout
+        if queue_timeout is not None:
+            timeout = min(timeout, check_seconds("queue_timeout", queue_timeout))
         if timeout <= 0:
+            retry_after = lane.rate.wait_for(lane.waiting, 1.0)
             await trio.lowlevel.cancel_shielded_checkpoint()
-            raise GateRejected(RejectReason.QUEUE_TIMEOUT, "no capacity and queue_timeout is 0")
+            raise GateRejected(
+                RejectReason.QUEUE_TIMEOUT, "no capacity and queue_timeout is 0", retry_after
+            )
         ticket.task = trio.lowlevel.current_task()
         self._enqueue(ticket)
 
@@ -326,37 +512,55 @@ class Gate:
             raise GateWithdrawn()
         if not ticket.granted:
             raise GateRejected(
-                RejectReason.QUEUE_TIMEOUT, f"no capacity on {target} within {timeout:g}s"
+                RejectReason.QUEUE_TIMEOUT,
+                f"no capacity on {target} within {timeout:g}s",
+                lane.rate.wait_for(lane.waiting, timeout),
             )
         return Permit(self, ticket)
 
-    def _full(self, lane: _Lane) -> str | None:
-        """Which queue bound a new waiter of ``lane`` would break, in words; None if none."""
+    def _full(self, lane: _Lane, tenant: _Tenant) -> tuple[str, float] | None:
+        """Which queue bound a new waiter would break, in words, and when a run would likely
+        find room (seconds); None if none."""
         if self._queued >= self.max_queued:
             return (
-                f"the node's queue is full (max_queued {self.max_queued}, {self._queued} waiting)"
+                f"the node's queue is full (max_queued {self.max_queued}, {self._queued} waiting)",
+                self._rate.wait_for(self._queued - self.max_queued, 1.0),
             )
-        if lane.max_queued is not None and len(lane.waiting) >= lane.max_queued:
+        if lane.max_queued is not None and lane.waiting >= lane.max_queued:
             return (
                 f"the queue of {lane.name} is full "
-                f"(its max_queued {lane.max_queued}, {len(lane.waiting)} waiting)"
+                f"(its max_queued {lane.max_queued}, {lane.waiting} waiting)",
+                lane.rate.wait_for(lane.waiting - lane.max_queued, 1.0),
+            )
+        if tenant.max_queued is not None and tenant.queued >= tenant.max_queued:
+            return (
+                f"the queue of tenant {tenant.name!r} is full "
+                f"(its max_queued {tenant.max_queued}, {tenant.queued} waiting)",
+                self._rate.wait_for(tenant.queued - tenant.max_queued, 1.0),
             )
         return None
 
-    def _grantable(self, lane: _Lane) -> bool:
+    def _lane_has_room(self, lane: _Lane) -> bool:
         return (
             _has_room(lane.target_limiter)
             and _has_room(lane.adapter_limiter)
             and _has_room(self._global)
         )
 
+    def _grantable(self, lane: _Lane, tenant: _Tenant) -> bool:
+        return _has_room(tenant.limiter) and self._lane_has_room(lane)
+
     def _grant(self, ticket: _Ticket) -> None:
-        # most specific first, global last; all three have room, so none can fail
+        # most specific first, global last; all four have room, so none can fail
         lane = ticket.lane
+        ticket.tenant.limiter.acquire_on_behalf_of_nowait(ticket)
         lane.target_limiter.acquire_on_behalf_of_nowait(ticket)
         lane.adapter_limiter.acquire_on_behalf_of_nowait(ticket)
         self._global.acquire_on_behalf_of_nowait(ticket)
         ticket.granted = True
+        now = trio.current_time()
+        lane.rate.tick(now)
+        self._rate.tick(now)
 
     def withdraw(self, borrower: object) -> bool:
         """Take ``borrower``'s waiting run out of the queue: its :meth:`acquire` raises
@@ -375,43 +579,71 @@ class Gate:
 
     def _enqueue(self, ticket: _Ticket) -> None:
         lane = ticket.lane
-        lane.waiting[ticket] = None
+        level = lane.levels.get(ticket.priority)
+        if level is None:
+            level = lane.levels[ticket.priority] = _Level()
+        level.add(ticket)
+        lane.waiting += 1
+        ticket.tenant.queued += 1
         self._waiting[ticket.borrower] = ticket
         self._busy_lanes[lane] = None
         self._queued += 1
 
-    def _dequeue(self, ticket: _Ticket) -> None:
+    def _dequeue(self, ticket: _Ticket, *, served: bool = False) -> None:
+        """Take a waiting ``ticket`` out of the queue (``served``: it is being granted)."""
+        if self._waiting.get(ticket.borrower) is not ticket:
+            return
         lane = ticket.lane
-        if ticket in lane.waiting:
-            del lane.waiting[ticket]
-            del self._waiting[ticket.borrower]
-            self._queued -= 1
-            if not lane.waiting:
-                del self._busy_lanes[lane]
+        level = lane.levels[ticket.priority]
+        if served:
+            level.served(ticket)
+        else:
+            level.remove(ticket)
+        if not level.flows:
+            # the level goes, and with it its virtual times: they mean nothing once no
+            # tenant is backlogged at it
+            del lane.levels[ticket.priority]
+        del self._waiting[ticket.borrower]
+        lane.waiting -= 1
+        ticket.tenant.queued -= 1
+        self._queued -= 1
+        if not lane.waiting:
+            del self._busy_lanes[lane]
+        if not served:
+            self._forget_if_idle(ticket.tenant)
+
+    def _forget_if_idle(self, tenant: _Tenant) -> None:
+        # a tenant never set is kept only while it has runs, so names cannot pile up
+        if tenant.idle and self._tenants.get(tenant.name) is tenant:
+            del self._tenants[tenant.name]
 
     def _release(self, ticket: _Ticket) -> None:
         lane = ticket.lane
         self._global.release_on_behalf_of(ticket)
         lane.adapter_limiter.release_on_behalf_of(ticket)
         lane.target_limiter.release_on_behalf_of(ticket)
+        ticket.tenant.limiter.release_on_behalf_of(ticket)
+        self._forget_if_idle(ticket.tenant)
         self._dispatch()
 
     def _dispatch(self) -> None:
-        """Grant the oldest grantable waiting run until none is left."""
+        """Grant the best grantable waiting run until none is left: of the targets with
+        room, the candidate of highest priority, the oldest on a tie (see ``_Lane.pick``
+        for the order within a target)."""
         while self._busy_lanes and _has_room(self._global):
             best: _Ticket | None = None
             for lane in self._busy_lanes:
-                head = lane.head()
-                if (
-                    head is not None
-                    and (best is None or head.order < best.order)
-                    and _has_room(lane.target_limiter)
-                    and _has_room(lane.adapter_limiter)
+                if not (_has_room(lane.target_limiter) and _has_room(lane.adapter_limiter)):
+                    continue
+                candidate = lane.pick()
+                if candidate is not None and (
+                    best is None
+                    or (candidate.priority, -candidate.order) > (best.priority, -best.order)
                 ):
-                    best = head
+                    best = candidate
             if best is None:
                 return
-            self._dequeue(best)
+            self._dequeue(best, served=True)
             self._grant(best)
             assert best.task is not None
             trio.lowlevel.reschedule(best.task)

@@ -43,6 +43,8 @@ from ..model import (
     UnknownRun,
     UnknownTarget,
     Usage,
+    seconds_problem,
+    tenant_problem,
 )
 from ..store.base import RunStore, StoreError, StoreHealth, StoreUnavailable
 from .gate import Gate, GateRejected, GateWithdrawn
@@ -73,6 +75,7 @@ class _Outcome:
     reason: str = ""
     message: str = ""
     usage: Usage | None = None
+    retry_after: float | None = None
 
 
 #: How many of a live run's latest events are kept in memory for its watchers;
@@ -215,6 +218,27 @@ def notify(
             log.exception("event listener %r failed", listener)
 
 
+#: The priorities a run may ask for.
+PRIORITIES = range(-1000, 1001)
+
+
+def check_spec(spec: RunSpec) -> None:
+    """InvalidRequest if the spec's tenant, priority or queue timeout cannot be."""
+    problem = tenant_problem(spec.tenant)
+    if problem is not None:
+        raise InvalidRequest(problem)
+    if isinstance(spec.priority, bool) or spec.priority not in PRIORITIES:
+        raise InvalidRequest(
+            f"priority must be an integer from -1000 to 1000, not {spec.priority!r}"
+        )
+    if spec.queue_timeout is not None:
+        problem = seconds_problem(spec.queue_timeout)
+        if problem is None and math.isinf(spec.queue_timeout):
+            problem = "must be finite (leave it out to wait as long as the target allows)"
+        if problem is not None:
+            raise InvalidRequest(f"queue_timeout {problem}")
+
+
 def prompt_bytes(spec: RunSpec) -> int:
     """The size of what a run asks the engine, in UTF-8: its prompt and chat messages."""
     return len(spec.prompt.encode()) + sum(
@@ -286,6 +310,7 @@ class RunManager:
         health = self._store.health()
         if not health.writable:
             raise StoreUnavailable(f"the node's run store {health}; retry later")
+        check_spec(spec)
         if target.max_prompt_bytes is not None:
             size = prompt_bytes(spec)
             if size > target.max_prompt_bytes:
@@ -322,6 +347,8 @@ class RunManager:
             prompt=spec.prompt,
             messages=spec.messages,
             options=spec.options,
+            tenant=spec.tenant,
+            priority=spec.priority,
         )
         if run_id in self._live:
             raise InvalidRequest(f"run {run_id} is being created already")
@@ -361,9 +388,20 @@ class RunManager:
         self, live: _LiveRun, target: TargetSpec, spec: RunSpec
     ) -> _Outcome:
         try:
-            permit = await self._gate.acquire(live, spec.target)
+            permit = await self._gate.acquire(
+                live,
+                spec.target,
+                priority=spec.priority,
+                tenant=spec.tenant,
+                queue_timeout=spec.queue_timeout,
+            )
         except GateRejected as rejected:
-            return _Outcome(RunStatus.REJECTED, rejected.reason.value, str(rejected))
+            return _Outcome(
+                RunStatus.REJECTED,
+                rejected.reason.value,
+                str(rejected),
+                retry_after=rejected.retry_after,
+            )
         except GateWithdrawn:  # cancelled while waiting: it never starts
             return _Outcome(RunStatus.CANCELLED, live.cancel_reason or "cancelled")
         with permit:
@@ -459,6 +497,7 @@ class RunManager:
                 reason=outcome.reason,
                 message=outcome.message,
                 usage=outcome.usage,
+                retry_after=outcome.retry_after,
             )
             with trio.move_on_after(self.final_write_timeout, shield=True) as scope:
                 await self._emit(live, event)
@@ -699,9 +738,17 @@ class RunManager:
         return await self._store.get(run_id)
 
     async def list_runs(
-        self, *, statuses: Collection[RunStatus] = (), target: str = "", limit: int = 100
+        self,
+        *,
+        statuses: Collection[RunStatus] = (),
+        target: str = "",
+        tenant: str | None = None,
+        limit: int = 100,
     ) -> list[RunRecord]:
-        return await self._store.list_runs(statuses=statuses, target=target, limit=limit)
+        """See :meth:`RunStore.list_runs`."""
+        return await self._store.list_runs(
+            statuses=statuses, target=target, tenant=tenant, limit=limit
+        )
 
     async def events(
         self, run_id: str, *, after_seq: int = 0, limit: int | None = None

@@ -32,8 +32,10 @@ from ..model import (
     RunEvent,
     RunRecord,
     TargetSpec,
+    TenantLimits,
     check_limit,
     check_seconds,
+    check_tenant_limits,
 )
 from ..store.base import RunStore
 from .gate import Gate
@@ -52,6 +54,7 @@ class RuntimeLimits:
     run of a target that sets none of its own (None: no bound); see
     :class:`~iop_trio.model.TargetSpec`. A store that cannot write for
     ``store_grace`` seconds stops the running runs (FAILED ``store_unavailable``).
+    ``tenants`` sets the share of each tenant named (others: weight 1, no bounds).
     """
 
     concurrency: int = 8
@@ -62,6 +65,7 @@ class RuntimeLimits:
     max_output_bytes: int | None = 16 * 1024 * 1024
     max_run_time: float | None = 3600.0
     store_grace: float = 10.0
+    tenants: Mapping[str, TenantLimits] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -100,6 +104,8 @@ class Node:
             max_queued=self.runtime.max_queued,
             queue_timeout=self.runtime.queue_timeout,
         )
+        for name, share in self.runtime.tenants.items():
+            self.gate.set_tenant(name, share)
         self._adapters: dict[str, Adapter] = {}
         for slot in adapters:
             if isinstance(slot, Adapter):
@@ -228,6 +234,7 @@ class Node:
             queue_timeout=stats.queue_timeout,
             adapters={name: self.gate.adapter_limit(name) for name in self._adapters},
             targets={name: int(s.limit) for name, s in stats.targets.items()},
+            tenants=self.gate.tenants(),
         )
 
     def set_limits(
@@ -238,16 +245,19 @@ class Node:
         queue_timeout: float | None = None,
         adapters: Mapping[str, int | None] | None = None,
         targets: Mapping[str, int] | None = None,
+        tenants: Mapping[str, TenantLimits] | None = None,
     ) -> Limits:
         """Change limits at runtime (None / absent leaves a limit as it is); returns those in force.
 
         Everything is checked before anything changes: an unknown adapter or
         target, or a value that is not a limit, raises InvalidRequest and
         nothing is changed. Lowering a limit lets holders finish; raising it
-        admits waiting runs at once.
+        admits waiting runs at once. Each tenant in ``tenants`` gets that share
+        (all of it: a bound left out is no bound); any name may be given.
         """
         adapters = dict(adapters or {})
         targets = dict(targets or {})
+        tenants = dict(tenants or {})
         unknown = [f"adapter {n!r}" for n in adapters if n not in self._adapters]
         unknown += [f"target {n!r}" for n in targets if n not in self.targets]
         if unknown:
@@ -262,6 +272,8 @@ class Node:
                     check_limit(what, value)
             if queue_timeout is not None:
                 check_seconds("queue_timeout", queue_timeout)
+            for name, share in tenants.items():
+                check_tenant_limits(name, share)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         self.gate.set_queue(max_queued=max_queued, queue_timeout=queue_timeout)
@@ -269,6 +281,8 @@ class Node:
             self.gate.set_adapter_limit(name, limit)
         for name, tlimit in targets.items():
             self.gate.set_target_limit(name, tlimit)
+        for name, share in tenants.items():
+            self.gate.set_tenant(name, share)
         if concurrency is not None:
             self.gate.set_global_limit(concurrency)
         return self.limits()

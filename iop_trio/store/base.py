@@ -111,9 +111,11 @@ class RunStore(abc.ABC):
         *,
         statuses: Collection[RunStatus] = (),
         target: str = "",
+        tenant: str | None = None,
         limit: int = 100,
     ) -> list[RunRecord]:
-        """Runs, newest (last created) first; empty ``statuses`` / ``target`` match any.
+        """Runs, newest (last created) first; empty ``statuses`` / ``target`` and a
+        ``tenant`` of None match any ("" is the default tenant).
 
         At most ``limit`` runs; none for ``limit`` <= 0.
         """

@@ -65,6 +65,7 @@ class MemoryStore(RunStore):
         *,
         statuses: Collection[RunStatus] = (),
         target: str = "",
+        tenant: str | None = None,
         limit: int = 100,
     ) -> list[RunRecord]:
         await trio.lowlevel.checkpoint()
@@ -72,7 +73,9 @@ class MemoryStore(RunStore):
         found = [
             _copy(r)
             for r in reversed(self._runs.values())
-            if (not wanted or r.status in wanted) and (not target or r.target == target)
+            if (not wanted or r.status in wanted)
+            and (not target or r.target == target)
+            and (tenant is None or r.tenant == tenant)
         ]
         return found[: max(limit, 0)]
 

@@ -105,8 +105,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: The schema this code writes; PRAGMA user_version of the file.
-SCHEMA_VERSION = 1
+#: The schema this code writes; PRAGMA user_version of the file. Version 1 (without
+#: tenants, priorities and retry hints) is migrated in place when the store opens.
+SCHEMA_VERSION = 2
 
 #: Primary SQLite result codes of failures that pass (the disk fills, an I/O error,
 #: another process holds a lock too long): the batch is retried, never refused.
@@ -148,11 +149,15 @@ _SCHEMA = (
         reason TEXT NOT NULL,
         message TEXT NOT NULL,
         last_seq INTEGER NOT NULL,
-        usage TEXT                           -- JSON object or NULL
+        usage TEXT,                          -- JSON object or NULL
+        tenant TEXT NOT NULL DEFAULT '',
+        priority INTEGER NOT NULL DEFAULT 0,
+        retry_after REAL                     -- a REJECTED run's hint (seconds) or NULL
     )
     """,
     "CREATE INDEX runs_status ON runs (status, id)",
     "CREATE INDEX runs_target ON runs (target, id)",
+    "CREATE INDEX runs_tenant ON runs (tenant, id)",
     "CREATE INDEX runs_finished ON runs (finished)",
     """
     CREATE TABLE events (
@@ -164,19 +169,32 @@ _SCHEMA = (
         reason TEXT NOT NULL,
         message TEXT NOT NULL,
         usage TEXT,                          -- JSON object or NULL
+        retry_after REAL,
         PRIMARY KEY (run_id, seq)
     ) WITHOUT ROWID
     """,
 )
 
+#: From schema version 1 to 2.
+_MIGRATE_1_TO_2 = (
+    "ALTER TABLE runs ADD COLUMN tenant TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE runs ADD COLUMN priority INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE runs ADD COLUMN retry_after REAL",
+    "CREATE INDEX runs_tenant ON runs (tenant, id)",
+    "ALTER TABLE events ADD COLUMN retry_after REAL",
+)
+
 _RUN_COLUMNS = (
     "run_id, target, status, background, created, prompt, messages, options, "
-    "started, finished, reason, message, last_seq, usage"
+    "started, finished, reason, message, last_seq, usage, tenant, priority, retry_after"
 )
-_EVENT_COLUMNS = "run_id, seq, kind, time, text, reason, message, usage"
+_EVENT_COLUMNS = "run_id, seq, kind, time, text, reason, message, usage, retry_after"
 # Folding reads and writes only the columns lifecycle.fold() looks at or
 # changes, so a delta does not reload a long prompt or chat history.
-_FOLD_COLUMNS = "run_id, status, last_seq, started, finished, reason, message, usage"
+_FOLD_FIELDS = (
+    "status", "last_seq", "started", "finished", "reason", "message", "usage", "retry_after"
+)  # fmt: skip
+_FOLD_COLUMNS = "run_id, " + ", ".join(_FOLD_FIELDS)
 _LIVE = tuple(sorted(s.value for s in LIVE_STATUSES))
 _TERMINAL = tuple(sorted(s.value for s in TERMINAL_STATUSES))
 
@@ -420,14 +438,17 @@ class SqliteStore(RunStore):
             raise StoreError(f"run {record.run_id}: options are not JSON: {exc}") from exc
         event_row = _event_row(event)
 
-        fold = _fold_record((record.run_id, "queued", 1, None, None, "", "", None))
+        fold = _new_fold(record.run_id)
 
         def work(conn: sqlite3.Connection) -> None:
             try:
-                conn.execute(f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES ({_marks(14)})", row)
+                conn.execute(f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES ({_marks(len(row))})", row)
             except sqlite3.IntegrityError as exc:
                 raise StoreError(f"run {record.run_id} exists") from exc
-            conn.execute(f"INSERT INTO events ({_EVENT_COLUMNS}) VALUES ({_marks(8)})", event_row)
+            conn.execute(
+                f"INSERT INTO events ({_EVENT_COLUMNS}) VALUES ({_marks(len(event_row))})",
+                event_row,
+            )
             self._folds[record.run_id] = fold
 
         plan = ("create", record.run_id, row, event_row)
@@ -499,9 +520,11 @@ class SqliteStore(RunStore):
         *,
         statuses: Collection[RunStatus] = (),
         target: str = "",
+        tenant: str | None = None,
         limit: int = 100,
     ) -> list[RunRecord]:
-        """Runs, newest (last created) first; empty ``statuses`` / ``target`` match any.
+        """Runs, newest (last created) first; empty ``statuses`` / ``target`` and a
+        ``tenant`` of None match any ("" is the default tenant).
 
         At most ``limit`` runs; none for ``limit`` <= 0.
         """
@@ -514,6 +537,9 @@ class SqliteStore(RunStore):
         if target:
             where.append("target = ?")
             args.append(target)
+        if tenant is not None:
+            where.append("tenant = ?")
+            args.append(tenant)
         sql = f"SELECT {_RUN_COLUMNS} FROM runs"
         if where:
             sql += " WHERE " + " AND ".join(where)
@@ -826,7 +852,7 @@ class SqliteStore(RunStore):
                 taken.add(run_id)
                 run_rows.append(row)
                 event_rows.append(event_row)
-                self._folds[run_id] = _fold_record((run_id, "queued", 1, None, None, "", "", None))
+                self._folds[run_id] = _new_fold(run_id)
             elif job.plan[0] in ("append", "many"):
                 refused = []
                 for event in _planned_events(job):
@@ -977,7 +1003,11 @@ def _check_or_create_schema(conn: sqlite3.Connection) -> None:
             for statement in _SCHEMA:
                 conn.execute(statement)
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        elif version != SCHEMA_VERSION:  # pragma: no cover - no older versions exist yet
+        elif version == 1:
+            for statement in _MIGRATE_1_TO_2:
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        elif version != SCHEMA_VERSION:  # pragma: no cover - no other versions exist
             raise StoreError(f"the run store has schema version {version}; cannot migrate it")
         conn.execute("COMMIT")
     except BaseException:
@@ -1032,28 +1062,14 @@ def _insert_rows(
 
 def _update_folds(conn: sqlite3.Connection, records: list[RunRecord]) -> None:
     """Set the fold columns of each run to its record's, a statement per chunk."""
-    for chunk in _chunks(records, 8):
-        values = ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(chunk))
+    width = 1 + len(_FOLD_FIELDS)
+    assignments = ", ".join(f"{field} = u.{field}" for field in _FOLD_FIELDS)
+    for chunk in _chunks(records, width):
+        values = ", ".join([f"({_marks(width)})"] * len(chunk))
         conn.execute(
-            "WITH u(run_id, status, last_seq, started, finished, reason, message, usage) AS "
-            f"(VALUES {values}) "
-            "UPDATE runs SET status = u.status, last_seq = u.last_seq, started = u.started, "
-            "finished = u.finished, reason = u.reason, message = u.message, usage = u.usage "
-            "FROM u WHERE runs.run_id = u.run_id",
-            [
-                value
-                for r in chunk
-                for value in (
-                    r.run_id,
-                    r.status.value,
-                    r.last_seq,
-                    r.started,
-                    r.finished,
-                    r.reason,
-                    r.message,
-                    _usage_json(r.usage),
-                )
-            ],
+            f"WITH u({_FOLD_COLUMNS}) AS (VALUES {values}) "
+            f"UPDATE runs SET {assignments} FROM u WHERE runs.run_id = u.run_id",
+            [value for r in chunk for value in (r.run_id, *_fold_values(r))],
         )
 
 
@@ -1116,6 +1132,9 @@ def _run_row(record: RunRecord) -> tuple[object, ...]:
         record.message,
         record.last_seq,
         _usage_json(record.usage),
+        record.tenant,
+        record.priority,
+        record.retry_after,
     )
 
 
@@ -1136,6 +1155,9 @@ def _record(row: tuple[Any, ...]) -> RunRecord:
         message=row[11],
         last_seq=row[12],
         usage=_usage(row[13]),
+        tenant=row[14],
+        priority=row[15],
+        retry_after=row[16],
     )
 
 
@@ -1149,6 +1171,7 @@ def _event_row(event: RunEvent) -> tuple[object, ...]:
         event.reason,
         event.message,
         _usage_json(event.usage),
+        event.retry_after,
     )
 
 
@@ -1162,6 +1185,7 @@ def _event(row: tuple[Any, ...]) -> RunEvent:
         reason=row[5],
         message=row[6],
         usage=_usage(row[7]),
+        retry_after=row[8],
     )
 
 
@@ -1179,26 +1203,38 @@ def _fold_record(row: tuple[Any, ...]) -> RunRecord:
         reason=row[5],
         message=row[6],
         usage=_usage(row[7]),
+        retry_after=row[8],
+    )
+
+
+def _new_fold(run_id: str) -> RunRecord:
+    """The fold of a run just created (QUEUED, seq 1)."""
+    return _fold_record((run_id, "queued", 1, None, None, "", "", None, None))
+
+
+def _fold_values(record: RunRecord) -> tuple[object, ...]:
+    """The values of :data:`_FOLD_FIELDS` for ``record``."""
+    return (
+        record.status.value,
+        record.last_seq,
+        record.started,
+        record.finished,
+        record.reason,
+        record.message,
+        _usage_json(record.usage),
+        record.retry_after,
     )
 
 
 def _write_event(conn: sqlite3.Connection, record: RunRecord, event: RunEvent) -> None:
     """Insert ``event`` and update the run's row to ``record``, which ``event`` was folded into."""
-    conn.execute(f"INSERT INTO events ({_EVENT_COLUMNS}) VALUES ({_marks(8)})", _event_row(event))
+    row = _event_row(event)
+    conn.execute(f"INSERT INTO events ({_EVENT_COLUMNS}) VALUES ({_marks(len(row))})", row)
     if event.status is None:  # a delta moves only the seq
         conn.execute("UPDATE runs SET last_seq = ? WHERE run_id = ?", (event.seq, record.run_id))
         return
+    assignments = ", ".join(f"{field} = ?" for field in _FOLD_FIELDS)
     conn.execute(
-        "UPDATE runs SET status = ?, last_seq = ?, started = ?, finished = ?, reason = ?, "
-        "message = ?, usage = ? WHERE run_id = ?",
-        (
-            record.status.value,
-            record.last_seq,
-            record.started,
-            record.finished,
-            record.reason,
-            record.message,
-            _usage_json(record.usage),
-            record.run_id,
-        ),
+        f"UPDATE runs SET {assignments} WHERE run_id = ?",
+        (*_fold_values(record), record.run_id),
     )

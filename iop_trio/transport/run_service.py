@@ -19,6 +19,7 @@ from ..protocol.convert import (
     status_from_pb,
     status_to_pb,
     summary_from_record,
+    tenant_limits_from_pb,
 )
 from ..runtime import Node
 from ..store import StoreUnavailable
@@ -36,6 +37,13 @@ ERROR_CODES: Mapping[type[Exception], pb.ErrorCode] = {
     InvalidRequest: pb.ERROR_CODE_INVALID,
     NodeUnavailable: pb.ERROR_CODE_UNAVAILABLE,
     StoreUnavailable: pb.ERROR_CODE_STORE_UNAVAILABLE,
+}
+
+#: The retry hint (seconds) of the failures that pass: a draining node, a store that
+#: cannot write (it retries every second and catches up when it can).
+RETRY_AFTER: Mapping[type[Exception], float] = {
+    NodeUnavailable: 5.0,
+    StoreUnavailable: 5.0,
 }
 
 
@@ -63,7 +71,8 @@ class RunService:
             await handler(session, request.nonce, request.message)
         except tuple(ERROR_CODES) as exc:
             code = next(c for kind, c in ERROR_CODES.items() if isinstance(exc, kind))
-            await session.error(request.nonce, code, str(exc))
+            hint = next((h for kind, h in RETRY_AFTER.items() if isinstance(exc, kind)), None)
+            await session.error(request.nonce, code, str(exc), retry_after=hint)
 
     async def _on_run_request(
         self, session: ProtoSession, nonce: int, message: pb.RunRequest
@@ -130,7 +139,10 @@ class RunService:
         statuses = [status_from_pb(s) for s in message.statuses]
         limit = min(message.limit or 100, MAX_LIST)
         records = await self.node.manager.list_runs(
-            statuses=statuses, target=message.target, limit=limit
+            statuses=statuses,
+            target=message.target,
+            tenant=message.tenant if message.HasField("tenant") else None,
+            limit=limit,
         )
         await session.reply(
             nonce, "run_list", pb.RunList(runs=[summary_from_record(r) for r in records])
@@ -145,5 +157,6 @@ class RunService:
             queue_timeout=message.queue_timeout_s if message.HasField("queue_timeout_s") else None,
             adapters=dict(message.adapters),
             targets=dict(message.targets),
+            tenants={n: tenant_limits_from_pb(t) for n, t in message.tenants.items()},
         )
         await session.reply(nonce, "limits", limits_to_pb(limits))

@@ -69,12 +69,18 @@ class ReplyTimeout(Exception):
 
 
 class RemoteError(Exception):
-    """The peer answered with an Error envelope."""
+    """The peer answered with an Error envelope; ``retry_after`` (seconds) is its hint
+    of when to try again, None if it gave none."""
 
-    def __init__(self, code: int, message: str) -> None:
+    def __init__(self, code: int, message: str, retry_after: float | None = None) -> None:
         super().__init__(f"{pb.ErrorCode.Name(code)}: {message}")
         self.code = code
         self.message = message
+        self.retry_after = retry_after
+
+
+#: The retry hint, in seconds, of a request refused for want of room on a session.
+BUSY_RETRY_AFTER = 1.0
 
 
 @attrs.frozen
@@ -175,7 +181,8 @@ class ReplyStream:
             self._done = True
         if item.kind == "error":
             assert isinstance(item.message, pb.Error)
-            raise RemoteError(item.message.code, item.message.message)
+            error = item.message
+            raise RemoteError(error.code, error.message, error.retry_after_s or None)
         return item.message
 
     async def first(self) -> Message:
@@ -357,7 +364,11 @@ class ProtoSession:
             )
 
     def _refuse(self, request: Request, why: str) -> None:
-        self._send_now(self._conn.error(request.nonce, pb.ERROR_CODE_UNAVAILABLE, why))
+        self._send_now(
+            self._conn.error(
+                request.nonce, pb.ERROR_CODE_UNAVAILABLE, why, retry_after=BUSY_RETRY_AFTER
+            )
+        )
 
     def _start(self, cls: _RequestClass, request: Request) -> None:
         assert self._nursery is not None
@@ -512,9 +523,12 @@ class ProtoSession:
         await self._send(self._conn.reply(reply_to, kind, message))
         self._answered(reply_to)
 
-    async def error(self, reply_to: int, code: int, message: str) -> None:
-        """Answer the peer's request ``reply_to`` with an Error; it ends the exchange."""
-        await self._send(self._conn.error(reply_to, code, message))
+    async def error(
+        self, reply_to: int, code: int, message: str, *, retry_after: float | None = None
+    ) -> None:
+        """Answer the peer's request ``reply_to`` with an Error; it ends the exchange.
+        ``retry_after``: seconds until a retry would likely succeed (None: no hint)."""
+        await self._send(self._conn.error(reply_to, code, message, retry_after=retry_after))
         self._answered(reply_to)
 
     def open_request(

@@ -147,8 +147,18 @@ class TargetInfo(_message.Message):
     params: _struct_pb2.Struct
     def __init__(self, name: _Optional[str] = ..., adapter: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., concurrency: _Optional[int] = ..., params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
+class TenantLimits(_message.Message):
+    __slots__ = ("weight", "max_queued", "concurrency")
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    weight: float
+    max_queued: int
+    concurrency: int
+    def __init__(self, weight: _Optional[float] = ..., max_queued: _Optional[int] = ..., concurrency: _Optional[int] = ...) -> None: ...
+
 class Limits(_message.Message):
-    __slots__ = ("concurrency", "max_queued", "queue_timeout_s", "adapters", "targets")
+    __slots__ = ("concurrency", "max_queued", "queue_timeout_s", "adapters", "targets", "tenants")
     class AdaptersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -163,17 +173,26 @@ class Limits(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TenantsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: TenantLimits
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[TenantLimits, _Mapping]] = ...) -> None: ...
     CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUED_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     concurrency: int
     max_queued: int
     queue_timeout_s: float
     adapters: _containers.ScalarMap[str, int]
     targets: _containers.ScalarMap[str, int]
-    def __init__(self, concurrency: _Optional[int] = ..., max_queued: _Optional[int] = ..., queue_timeout_s: _Optional[float] = ..., adapters: _Optional[_Mapping[str, int]] = ..., targets: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    tenants: _containers.MessageMap[str, TenantLimits]
+    def __init__(self, concurrency: _Optional[int] = ..., max_queued: _Optional[int] = ..., queue_timeout_s: _Optional[float] = ..., adapters: _Optional[_Mapping[str, int]] = ..., targets: _Optional[_Mapping[str, int]] = ..., tenants: _Optional[_Mapping[str, TenantLimits]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("node_id", "version", "targets", "adapters", "limits")
@@ -206,20 +225,26 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class RunRequest(_message.Message):
-    __slots__ = ("target", "prompt", "messages", "background", "run_id", "options")
+    __slots__ = ("target", "prompt", "messages", "background", "run_id", "options", "priority", "tenant", "queue_timeout_s")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     BACKGROUND_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     target: str
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     background: bool
     run_id: str
     options: _struct_pb2.Struct
-    def __init__(self, target: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., background: _Optional[bool] = ..., run_id: _Optional[str] = ..., options: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    priority: int
+    tenant: str
+    queue_timeout_s: float
+    def __init__(self, target: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., background: _Optional[bool] = ..., run_id: _Optional[str] = ..., options: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., queue_timeout_s: _Optional[float] = ...) -> None: ...
 
 class RunAccepted(_message.Message):
     __slots__ = ("run_id", "status", "existing")
@@ -242,7 +267,7 @@ class Usage(_message.Message):
     def __init__(self, done_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class RunEvent(_message.Message):
-    __slots__ = ("run_id", "seq", "kind", "time", "text", "reason", "message", "usage")
+    __slots__ = ("run_id", "seq", "kind", "time", "text", "reason", "message", "usage", "retry_after_s")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +276,7 @@ class RunEvent(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     seq: int
     kind: EventKind
@@ -259,7 +285,8 @@ class RunEvent(_message.Message):
     reason: str
     message: str
     usage: Usage
-    def __init__(self, run_id: _Optional[str] = ..., seq: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., time: _Optional[float] = ..., text: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    retry_after_s: float
+    def __init__(self, run_id: _Optional[str] = ..., seq: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., time: _Optional[float] = ..., text: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class CancelRun(_message.Message):
     __slots__ = ("run_id", "reason")
@@ -292,7 +319,7 @@ class GetRun(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., include_events: _Optional[bool] = ..., after_seq: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
 
 class RunSummary(_message.Message):
-    __slots__ = ("run_id", "target", "status", "reason", "message", "background", "created", "started", "finished", "last_seq")
+    __slots__ = ("run_id", "target", "status", "reason", "message", "background", "created", "started", "finished", "last_seq", "tenant", "priority", "retry_after_s")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +330,9 @@ class RunSummary(_message.Message):
     STARTED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     target: str
     status: RunStatus
@@ -313,7 +343,10 @@ class RunSummary(_message.Message):
     started: float
     finished: float
     last_seq: int
-    def __init__(self, run_id: _Optional[str] = ..., target: _Optional[str] = ..., status: _Optional[_Union[RunStatus, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., background: _Optional[bool] = ..., created: _Optional[float] = ..., started: _Optional[float] = ..., finished: _Optional[float] = ..., last_seq: _Optional[int] = ...) -> None: ...
+    tenant: str
+    priority: int
+    retry_after_s: float
+    def __init__(self, run_id: _Optional[str] = ..., target: _Optional[str] = ..., status: _Optional[_Union[RunStatus, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., background: _Optional[bool] = ..., created: _Optional[float] = ..., started: _Optional[float] = ..., finished: _Optional[float] = ..., last_seq: _Optional[int] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class RunInfo(_message.Message):
     __slots__ = ("run", "events", "more_events")
@@ -326,14 +359,16 @@ class RunInfo(_message.Message):
     def __init__(self, run: _Optional[_Union[RunSummary, _Mapping]] = ..., events: _Optional[_Iterable[_Union[RunEvent, _Mapping]]] = ..., more_events: _Optional[bool] = ...) -> None: ...
 
 class ListRuns(_message.Message):
-    __slots__ = ("statuses", "target", "limit")
+    __slots__ = ("statuses", "target", "limit", "tenant")
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     statuses: _containers.RepeatedScalarFieldContainer[RunStatus]
     target: str
     limit: int
-    def __init__(self, statuses: _Optional[_Iterable[_Union[RunStatus, str]]] = ..., target: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, statuses: _Optional[_Iterable[_Union[RunStatus, str]]] = ..., target: _Optional[str] = ..., limit: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class RunList(_message.Message):
     __slots__ = ("runs",)
@@ -342,7 +377,7 @@ class RunList(_message.Message):
     def __init__(self, runs: _Optional[_Iterable[_Union[RunSummary, _Mapping]]] = ...) -> None: ...
 
 class SetLimits(_message.Message):
-    __slots__ = ("concurrency", "max_queued", "queue_timeout_s", "adapters", "targets")
+    __slots__ = ("concurrency", "max_queued", "queue_timeout_s", "adapters", "targets", "tenants")
     class AdaptersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -357,25 +392,36 @@ class SetLimits(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TenantsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: TenantLimits
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[TenantLimits, _Mapping]] = ...) -> None: ...
     CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUED_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     concurrency: int
     max_queued: int
     queue_timeout_s: float
     adapters: _containers.ScalarMap[str, int]
     targets: _containers.ScalarMap[str, int]
-    def __init__(self, concurrency: _Optional[int] = ..., max_queued: _Optional[int] = ..., queue_timeout_s: _Optional[float] = ..., adapters: _Optional[_Mapping[str, int]] = ..., targets: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    tenants: _containers.MessageMap[str, TenantLimits]
+    def __init__(self, concurrency: _Optional[int] = ..., max_queued: _Optional[int] = ..., queue_timeout_s: _Optional[float] = ..., adapters: _Optional[_Mapping[str, int]] = ..., targets: _Optional[_Mapping[str, int]] = ..., tenants: _Optional[_Mapping[str, TenantLimits]] = ...) -> None: ...
 
 class Error(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "retry_after_s")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     code: ErrorCode
     message: str
-    def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
+    retry_after_s: float
+    def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class Ping(_message.Message):
     __slots__ = ("time",)

@@ -1,0 +1,279 @@
+"""The gate's order and bounds, run for run: priority, tenants' fair shares, tenant bounds,
+per-run deadlines and retry hints. Deterministic: every waiter is queued one at a time
+(so arrival order is known) and the clock is Trio's MockClock where time matters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import trio
+import trio.testing
+
+from iop_trio.model import RejectReason, TenantLimits
+from iop_trio.runtime.gate import MIN_RETRY_AFTER, Gate, GateRejected
+
+
+def gate_with(targets: dict[str, int], *, concurrency: int = 100, **kw: float) -> Gate:
+    gate = Gate(
+        concurrency=concurrency,
+        max_queued=int(kw.pop("max_queued", 1000)),
+        queue_timeout=kw.pop("queue_timeout", 600.0),
+    )
+    gate.add_adapter("echo", None)
+    for name, limit in targets.items():
+        gate.add_target(name, adapter="echo", limit=limit)
+    return gate
+
+
+class Line:
+    """Queues runs one at a time and records the order in which they get a permit;
+    each gives its permit back at once, so the next grant follows."""
+
+    def __init__(self, gate: Gate, nursery: trio.Nursery) -> None:
+        self.gate = gate
+        self.nursery = nursery
+        self.granted: list[str] = []
+        self.rejected: dict[str, GateRejected] = {}
+        self._hold = trio.Event()
+
+    async def hold(self, name: str, target: str, **kw: object) -> None:
+        """A run that takes a permit and keeps it until :meth:`let_go`."""
+
+        async def holder() -> None:
+            with await self.gate.acquire(name, target, **kw):  # type: ignore[arg-type]
+                await self._hold.wait()
+
+        self.nursery.start_soon(holder)
+        await trio.testing.wait_all_tasks_blocked()
+
+    def let_go(self) -> None:
+        self._hold.set()
+
+    async def queue(self, name: str, target: str, **kw: object) -> None:
+        async def waiter() -> None:
+            try:
+                with await self.gate.acquire(name, target, **kw):  # type: ignore[arg-type]
+                    self.granted.append(name)
+            except GateRejected as exc:
+                self.rejected[name] = exc
+
+        self.nursery.start_soon(waiter)
+        await trio.testing.wait_all_tasks_blocked()
+
+
+async def test_the_highest_priority_goes_first_then_the_oldest():
+    gate = gate_with({"echo/a": 1})
+    async with trio.open_nursery() as nursery:
+        line = Line(gate, nursery)
+        await line.hold("busy", "echo/a")
+        for name, priority in [("low", -1), ("n1", 0), ("high", 5), ("n2", 0), ("mid", 1)]:
+            await line.queue(name, "echo/a", priority=priority)
+        line.let_go()
+    assert line.granted == ["high", "mid", "n1", "n2", "low"]
+
+
+async def test_priority_counts_across_targets_that_share_a_limit():
+    gate = gate_with({"echo/a": 5, "echo/b": 5}, concurrency=1)
+    async with trio.open_nursery() as nursery:
+        line = Line(gate, nursery)
+        await line.hold("busy", "echo/a")
+        await line.queue("a-old", "echo/a")
+        await line.queue("b-urgent", "echo/b", priority=3)
+        await line.queue("a-new", "echo/a")
+        line.let_go()
+    assert line.granted == ["b-urgent", "a-old", "a-new"]
+
+
+async def test_two_backlogged_tenants_of_equal_weight_alternate_whatever_their_arrivals():
+    gate = gate_with({"echo/a": 1})
+    async with trio.open_nursery() as nursery:
+        line = Line(gate, nursery)
+        await line.hold("busy", "echo/a")
+        for i in range(1, 7):  # the heavy tenant came first, with six
+            await line.queue(f"heavy{i}", "echo/a", tenant="heavy")
+        for i in range(1, 3):
+            await line.queue(f"light{i}", "echo/a", tenant="light")
+        line.let_go()
+    assert line.granted == [
+        "heavy1", "light1", "heavy2", "light2", "heavy3", "heavy4", "heavy5", "heavy6",
+    ]  # fmt: skip
+
+
+async def test_weights_share_by_run_count():
+    gate = gate_with({"echo/a": 1})
+    gate.set_tenant("gold", TenantLimits(weight=2))
+    async with trio.open_nursery() as nursery:
+        line = Line(gate, nursery)
+        await line.hold("busy", "echo/a")
+        for i in range(8):
+            await line.queue(f"gold{i}", "echo/a", tenant="gold")
+        for i in range(8):
+            await line.queue(f"std{i}", "echo/a", tenant="")
+        line.let_go()
+    first = line.granted[:9]
+    assert sum(n.startswith("gold") for n in first) == 6  # 2:1
+    # FIFO within each tenant
+    assert [n for n in line.granted if n.startswith("gold")] == [f"gold{i}" for i in range(8)]
+    assert [n for n in line.granted if n.startswith("std")] == [f"std{i}" for i in range(8)]
+
+
+async def test_an_idle_tenant_saves_up_no_credit():
+    gate = gate_with({"echo/a": 1})
+    async with trio.open_nursery() as nursery:
+        line = Line(gate, nursery)
+        await line.hold("busy", "echo/a")
+        for i in range(4):
+            await line.queue(f"a{i}", "echo/a", tenant="a")
+        line.let_go()
+    # a was served alone; b arriving now must not get four turns in a row
+    async with trio.open_nursery() as nursery:
+        line = Line(gate, nursery)
+        await line.hold("busy2", "echo/a")
+        for i in range(3):
+            await line.queue(f"a{i}", "echo/a", tenant="a")
+        for i in range(3):
+            await line.queue(f"b{i}", "echo/a", tenant="b")
+        line.let_go()
+    assert line.granted == ["a0", "b0", "a1", "b1", "a2", "b2"]
+
+
+async def test_a_tenant_over_its_max_queued_is_refused_and_others_still_queue():
+    gate = gate_with({"echo/a": 1})
+    gate.set_tenant("flood", TenantLimits(max_queued=2))
+    async with trio.open_nursery() as nursery:
+        line = Line(gate, nursery)
+        await line.hold("busy", "echo/a")
+        for i in range(4):
+            await line.queue(f"flood{i}", "echo/a", tenant="flood")
+        await line.queue("other", "echo/a", tenant="other")
+        assert set(line.rejected) == {"flood2", "flood3"}
+        refused = line.rejected["flood2"]
+        assert refused.reason is RejectReason.QUEUE_FULL
+        assert "tenant 'flood'" in str(refused) and "max_queued 2" in str(refused)
+        assert refused.retry_after >= MIN_RETRY_AFTER
+        queued = {n: q for n, q in gate.statistics().queued_by_tenant.items() if q}
+        assert queued == {"flood": 2, "other": 1}
+        line.let_go()
+    assert line.granted == ["flood0", "other", "flood1"]
+
+
+async def test_a_tenant_at_its_concurrency_waits_while_others_use_the_room():
+    gate = gate_with({"echo/a": 3})
+    gate.set_tenant("t", TenantLimits(concurrency=1))
+    async with trio.open_nursery() as nursery:
+        line = Line(gate, nursery)
+        await line.hold("t-running", "echo/a", tenant="t")
+        await line.queue("t-next", "echo/a", tenant="t")  # the target has room; t has not
+        assert line.granted == []
+        await line.queue("u", "echo/a", tenant="u")  # no head-of-line blocking
+        assert line.granted == ["u"]
+        stats = gate.statistics()
+        assert (stats.tenants["t"].limit, stats.tenants["t"].borrowed) == (1, 1)
+        gate.set_tenant("t", TenantLimits(concurrency=2))  # raised at runtime: admitted now
+        await trio.testing.wait_all_tasks_blocked()
+        assert line.granted == ["u", "t-next"]
+        line.let_go()
+
+
+async def test_tokens_are_taken_at_every_level_and_given_back(autojump_clock):
+    gate = gate_with({"echo/a": 2})
+    gate.set_tenant("t", TenantLimits(concurrency=5))
+    async with trio.open_nursery() as nursery:
+        line = Line(gate, nursery)
+        await line.hold("one", "echo/a", tenant="t")
+        stats = gate.statistics()
+        assert stats.tenants["t"].borrowed == stats.targets["echo/a"].borrowed == 1
+        assert stats.global_.borrowed == stats.adapters["echo"].borrowed == 1
+        line.let_go()
+    stats = gate.statistics()
+    assert stats.tenants["t"].borrowed == stats.global_.borrowed == 0
+
+
+async def test_the_smaller_of_the_runs_and_the_targets_queue_timeout_applies(autojump_clock):
+    gate = gate_with({"echo/a": 1}, queue_timeout=30)
+    async with trio.open_nursery() as nursery:
+        line = Line(gate, nursery)
+        await line.hold("busy", "echo/a")
+        start = trio.current_time()
+        await line.queue("patient", "echo/a", queue_timeout=300)
+        await line.queue("hasty", "echo/a", queue_timeout=2)
+        await trio.sleep(2.5)
+        assert set(line.rejected) == {"hasty"}
+        assert line.rejected["hasty"].reason is RejectReason.QUEUE_TIMEOUT
+        assert "within 2s" in str(line.rejected["hasty"])
+        await trio.sleep(30)
+        assert set(line.rejected) == {"hasty", "patient"}  # the target's 30 s, not 300
+        assert trio.current_time() - start == pytest.approx(32.5)
+        line.let_go()
+
+
+async def test_retry_hints_follow_the_recent_rate_of_grants(autojump_clock):
+    gate = gate_with({"echo/a": 1})
+
+    async def one_run() -> None:
+        with await gate.acquire(object(), "echo/a"):
+            await trio.sleep(2)  # a run takes 2 s
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(4):  # granted at 0, 2, 4 and 6 s
+            nursery.start_soon(one_run)
+            await trio.testing.wait_all_tasks_blocked()
+        await trio.sleep(4.5)  # one runs, one waits; grants came 2 s apart
+        with pytest.raises(GateRejected) as now:
+            await gate.acquire("now-or-never", "echo/a", queue_timeout=0)
+        assert now.value.reason is RejectReason.QUEUE_TIMEOUT
+        assert now.value.retry_after == pytest.approx(4.0)  # two grants away
+        gate.set_queue(max_queued=1)
+        with pytest.raises(GateRejected) as full:
+            await gate.acquire("late", "echo/a")
+        assert full.value.reason is RejectReason.QUEUE_FULL
+        assert full.value.retry_after == pytest.approx(2.0)  # one grant frees a place
+        nursery.cancel_scope.cancel()
+
+
+async def test_queue_timeout_zero_has_a_hint_too():
+    gate = gate_with({"echo/a": 1})
+    async with trio.open_nursery() as nursery:
+        line = Line(gate, nursery)
+        await line.hold("busy", "echo/a")
+        await line.queue("now", "echo/a", queue_timeout=0)
+        refused = line.rejected["now"]
+        assert refused.reason is RejectReason.QUEUE_TIMEOUT
+        assert refused.retry_after >= MIN_RETRY_AFTER
+        line.let_go()
+
+
+async def test_tenants_never_set_are_forgotten_when_idle():
+    gate = gate_with({"echo/a": 1})
+    gate.set_tenant("kept", TenantLimits(weight=3))
+    async with trio.open_nursery() as nursery:
+        line = Line(gate, nursery)
+        await line.hold("busy", "echo/a", tenant="passing")
+        await line.queue("w", "echo/a", tenant="waiting")
+        assert set(gate.statistics().tenants) == {"kept", "passing", "waiting"}
+        line.let_go()
+    assert set(gate.statistics().tenants) == {"kept"}
+    assert gate.tenants() == {"kept": TenantLimits(weight=3.0)}
+    assert gate.tenant_limits("never") == TenantLimits()
+
+
+@pytest.mark.parametrize(
+    ("limits", "match"),
+    [
+        (TenantLimits(weight=0), "weight must be a number > 0"),
+        (TenantLimits(weight=math.inf), "weight must be a number > 0"),
+        (TenantLimits(weight=True), "weight must be a number > 0"),
+        (TenantLimits(max_queued=-1), "max_queued"),
+        (TenantLimits(concurrency=1.5), "concurrency"),  # type: ignore[arg-type]
+    ],
+)
+def test_a_bad_tenant_share_is_refused_and_nothing_changes(limits, match):
+    gate = gate_with({"echo/a": 1})
+    gate.set_tenant("t", TenantLimits(weight=2))
+    with pytest.raises(ValueError, match=match):
+        gate.set_tenant("t", limits)
+    assert gate.tenant_limits("t") == TenantLimits(weight=2)
+    with pytest.raises(ValueError, match="must be up to 128 characters"):
+        gate.set_tenant("bad name", TenantLimits())
