@@ -269,18 +269,27 @@ async def runs_list(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> 
     store = open_store(config)
     try:
         statuses = [RunStatus(s) for s in ns.status or ()]
-        records = await store.list_runs(statuses=statuses, target=ns.target or "", limit=ns.limit)
+        records = await store.list_runs(
+            statuses=statuses, target=ns.target or "", tenant=ns.tenant, limit=ns.limit
+        )
     finally:
         await store.aclose()
     if ns.json:
         json.dump([record_json(r) for r in records], out, indent=2)
         out.write("\n")
         return 0
-    out.write(f"{'RUN ID':<34} {'TARGET':<28} {'STATUS':<22} {'MODE':<4} CREATED\n")
+    out.write(
+        f"{'RUN ID':<34} {'TARGET':<28} {'TENANT':<12} {'PRI':>4} {'STATUS':<22} {'MODE':<4} "
+        "CREATED\n"
+    )
     for r in records:
         status = r.status.value + (f"({r.reason})" if r.reason else "")
         mode = "bg" if r.background else "fg"
-        out.write(f"{r.run_id:<34} {r.target:<28} {status:<22} {mode:<4} {_when(r.created)}\n")
+        tenant = r.tenant or "-"
+        out.write(
+            f"{r.run_id:<34} {r.target:<28} {tenant:<12} {r.priority:>4} {status:<22} {mode:<4} "
+            f"{_when(r.created)}\n"
+        )
     return 0
 
 
@@ -307,11 +316,13 @@ async def runs_show(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> 
         ("reason", record.reason or "-"),
         ("message", record.message or "-"),
         ("mode", "background" if record.background else "foreground"),
+        ("tenant", record.tenant or '"" (default)'),
+        ("priority", str(record.priority)),
         ("created", _when(record.created)),
         ("started", _when(record.started)),
         ("finished", _when(record.finished)),
         ("events", str(record.last_seq)),
-    ]:
+    ] + ([("retry", f"after {record.retry_after:g}s")] if record.retry_after else []):
         out.write(f"{key:>9}: {value}\n")
     if record.usage is not None:
         u = record.usage
@@ -405,6 +416,8 @@ async def submit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         background=ns.background,
         run_id=ns.run_id,
         options=options,
+        priority=ns.priority,
+        queue_timeout=ns.queue_timeout,
     )
     url = ns.edge.rstrip("/")
     if not url.endswith("/client"):
@@ -418,7 +431,8 @@ async def submit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                     out.flush()
             last = stream.last
     except RemoteError as exc:
-        raise CliError(f"the edge refused the run: {exc}") from None
+        hint = f" (retry after {exc.retry_after:g}s)" if exc.retry_after else ""
+        raise CliError(f"the edge refused the run: {exc}{hint}") from None
     except (SessionClosed, OSError) as exc:
         raise CliError(f"lost the edge: {exc}") from None
     except ReplyTimeout as exc:
@@ -432,7 +446,8 @@ async def submit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     out.write("\n")
     assert last is not None
     reason = f" ({last.reason}{': ' + last.message if last.message else ''})" if last.reason else ""
-    err.write(f"{last.kind.value}{reason}\n")
+    hint = f"; retry after {last.retry_after:g}s" if last.retry_after else ""
+    err.write(f"{last.kind.value}{reason}{hint}\n")
     return 0 if last.kind.value == "succeeded" else 1
 
 
@@ -526,6 +541,7 @@ def _parser() -> argparse.ArgumentParser:
     with_config(p)
     p.add_argument("--status", action="append", choices=[s.value for s in RunStatus])
     p.add_argument("--target")
+    p.add_argument("--tenant", help='only this tenant\'s runs ("" is the default tenant)')
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--json", action="store_true")
     p = runs_sub.add_parser("show", help="one run, with --events its event log")
@@ -545,6 +561,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--background", action="store_true")
     p.add_argument("--run-id")
     p.add_argument("--option", action="append", metavar="KEY=VALUE", help="JSON or text value")
+    p.add_argument(
+        "--priority", type=int, default=0, help="higher starts first (-1000..1000; default 0)"
+    )
+    p.add_argument(
+        "--queue-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="wait at most this long for capacity (the target's bound applies if smaller)",
+    )
     p.add_argument("prompt")
 
     p = sub.add_parser("demo", help="edge + node + echo targets on loopback (make run)")

@@ -26,7 +26,14 @@ import yaml
 
 from .adapters.base import Adapter
 from .adapters.registry import AdapterRegistry, default_registry
-from .model import TargetSpec, field_check, limit_problem, seconds_problem
+from .model import (
+    TargetSpec,
+    TenantLimits,
+    field_check,
+    limit_problem,
+    seconds_problem,
+    tenant_problem,
+)
 from .runtime import AdapterSlot, RuntimeLimits
 
 ENV_PREFIX = "IOP_"
@@ -89,6 +96,25 @@ class RuntimeConfig:
     max_output_bytes: int | None = attrs.field(default=16 * 1024 * 1024, validator=_int_at_least(1))
     max_run_time: float | None = attrs.field(default=3600.0, validator=_positive)
     store_grace: float = attrs.field(default=10.0, validator=_non_negative)
+
+
+def _weight_problem(value: Any) -> str | None:
+    if seconds_problem(value, positive=True) is None and value != float("inf"):
+        return None
+    return f"must be a number > 0, not {value!r}"
+
+
+@attrs.frozen
+class TenantConfig:
+    """A tenant's share: fair-queueing ``weight``, and optional bounds on its waiting
+    runs (node-wide) and its runs at once (null: none)."""
+
+    weight: float = attrs.field(default=1.0, validator=field_check(_weight_problem))
+    max_queued: int | None = attrs.field(default=None, validator=_int_at_least(0))
+    concurrency: int | None = attrs.field(default=None, validator=_int_at_least(0))
+
+    def limits(self) -> TenantLimits:
+        return TenantLimits(self.weight, self.max_queued, self.concurrency)
 
 
 @attrs.frozen
@@ -158,6 +184,7 @@ class NodeConfig:
     edge: EdgeConfig = attrs.field(factory=EdgeConfig)
     store: StoreConfig = attrs.field(factory=StoreConfig)
     runtime: RuntimeConfig = attrs.field(factory=RuntimeConfig)
+    tenants: dict[str, TenantConfig] = attrs.field(factory=dict)
     metrics: MetricsConfig = attrs.field(factory=MetricsConfig)
     logging: LoggingConfig = attrs.field(factory=LoggingConfig)
     source: str = "<config>"  # the file it came from, for messages
@@ -173,6 +200,7 @@ class NodeConfig:
             max_output_bytes=r.max_output_bytes,
             max_run_time=r.max_run_time,
             store_grace=r.store_grace,
+            tenants={name: t.limits() for name, t in self.tenants.items()},
         )
 
     def edge_token(self) -> str | None:
@@ -343,6 +371,10 @@ def _check_references(config: NodeConfig) -> None:
         if name in names:
             raise ConfigError(f"{src}: targets[{i}]: target {name!r} is configured twice")
         names.add(name)
+    for tenant in config.tenants:
+        problem = tenant_problem(tenant)
+        if problem is not None:
+            raise ConfigError(f"{src}: tenants: {problem}")
     registry = default_registry()
     for name, adapter in config.adapters.items():
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):

@@ -26,6 +26,11 @@ the queue timeout for ``queue_timeout``) or ``cancelled`` (QUEUED ->
 CANCELLED: the caller or the node gave up waiting). Counting only started
 runs would hide the waits that were too long to end well.
 
+Per-tenant series carry the tenant's name for the tenants whose share is set
+and for the default tenant (""); every other tenant counts as ``other``, so a
+caller cannot grow the number of series. ``priority`` is a class: ``high``
+(> 0), ``normal`` (0), ``low`` (< 0).
+
 Per-run state is kept only for live runs (QUEUED or RUNNING) and dropped at
 the terminal event; :attr:`NodeMetrics.tracked_runs` counts it. Should a
 terminal event never come (a bug elsewhere), ``max_tracked_runs`` bounds the
@@ -145,7 +150,29 @@ METRICS: tuple[MetricInfo, ...] = (
         "Time from STARTED to the first delta.",
     ),
     MetricInfo(
+        "iop_tenant_runs_finished_total",
+        "counter",
+        ("tenant", "priority", "status"),
+        "Runs ended, by tenant, priority class (high > 0, normal 0, low < 0) and status.",
+    ),
+    MetricInfo(
+        "iop_tenant_queue_wait_seconds",
+        "histogram",
+        ("tenant", "priority", "outcome"),
+        "Time from QUEUED until the run left the queue, by tenant and priority class.",
+    ),
+    MetricInfo(
         "iop_gate_queued_runs", "gauge", ("target",), "Runs waiting in the gate's queue now."
+    ),
+    MetricInfo("iop_gate_tenant_queued_runs", "gauge", ("tenant",), "Runs waiting now, by tenant."),
+    MetricInfo(
+        "iop_gate_tenant_running_runs", "gauge", ("tenant",), "Runs holding a permit, by tenant."
+    ),
+    MetricInfo(
+        "iop_gate_tenant_weight",
+        "gauge",
+        ("tenant",),
+        "The fair-queueing weight of each tenant whose share is set.",
     ),
     MetricInfo(
         "iop_gate_running_runs",
@@ -157,13 +184,13 @@ METRICS: tuple[MetricInfo, ...] = (
         "iop_gate_tokens_limit",
         "gauge",
         ("level", "name"),
-        "Concurrency limit in force per level (global/adapter/target); +Inf = unbounded.",
+        "Concurrency limit in force per level (global/adapter/target/tenant); +Inf = unbounded.",
     ),
     MetricInfo(
         "iop_gate_tokens_borrowed",
         "gauge",
         ("level", "name"),
-        "Tokens held now per level (global/adapter/target).",
+        "Tokens held now per level (global/adapter/target/tenant).",
     ),
     MetricInfo("iop_gate_queue_length", "gauge", (), "Runs waiting in the gate, all targets."),
     MetricInfo(
@@ -204,6 +231,18 @@ def _help(name: str) -> str:
     return _HELP[name]
 
 
+#: The label of the tenants whose share is not set (see the module docstring).
+OTHER_TENANT = "other"
+
+
+def priority_class(priority: int) -> str:
+    return "high" if priority > 0 else "low" if priority < 0 else "normal"
+
+
+def _tenant_label(node: Node, tenant: str) -> str:
+    return tenant if tenant == "" or node.gate.is_set(tenant) else OTHER_TENANT
+
+
 @attrs.define(eq=False, repr=False)
 class _RunTimes:
     """What the metrics keep about one live run."""
@@ -211,6 +250,8 @@ class _RunTimes:
     target: str
     queued: float
     deltas: Counter  # the target's child of iop_run_deltas_total, looked up once
+    tenant: str  # its label
+    priority: str  # its class
     started: float | None = None
     first_delta: bool = False
 
@@ -232,10 +273,26 @@ class _GateCollector:
             g["iop_gate_queued_runs"].add_metric([target], count)
         for target, tokens in stats.targets.items():
             g["iop_gate_running_runs"].add_metric([target], tokens.borrowed)
+        configured = node.gate.tenants()
+        queued: dict[str, int] = {"": 0, OTHER_TENANT: 0, **dict.fromkeys(configured, 0)}
+        running = dict(queued)
+        for tenant, count in stats.queued_by_tenant.items():
+            label = _tenant_label(node, tenant)
+            queued[label] = queued.get(label, 0) + count
+        for tenant, tokens in stats.tenants.items():
+            label = _tenant_label(node, tenant)
+            running[label] = running.get(label, 0) + tokens.borrowed
+        for label, count in queued.items():
+            g["iop_gate_tenant_queued_runs"].add_metric([label], count)
+        for label, count in running.items():
+            g["iop_gate_tenant_running_runs"].add_metric([label], count)
+        for tenant, share in configured.items():
+            g["iop_gate_tenant_weight"].add_metric([tenant], share.weight)
         levels: list[tuple[str, Mapping[str, LimiterStats]]] = [
             ("global", {"global": stats.global_}),
             ("adapter", stats.adapters),
             ("target", stats.targets),
+            ("tenant", {n: t for n, t in stats.tenants.items() if n in configured}),
         ]
         for level, by_name in levels:
             for name, tokens in by_name.items():
@@ -340,6 +397,19 @@ class NodeMetrics:
             buckets=RUN_DURATION_BUCKETS,
             registry=r,
         )
+        self.tenant_finished = Counter(
+            "iop_tenant_runs_finished",
+            _help("iop_tenant_runs_finished_total"),
+            ["tenant", "priority", "status"],
+            registry=r,
+        )
+        self.tenant_queue_wait = Histogram(
+            "iop_tenant_queue_wait_seconds",
+            _help("iop_tenant_queue_wait_seconds"),
+            ["tenant", "priority", "outcome"],
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=r,
+        )
         self.first_delta = Histogram(
             "iop_run_time_to_first_delta_seconds",
             _help("iop_run_time_to_first_delta_seconds"),
@@ -430,13 +500,21 @@ class NodeMetrics:
                 self.first_delta.labels(target).observe(max(0.0, event.time - times.started))
         elif kind is EventKind.QUEUED:
             self.submitted.labels(target).inc()
-            self._track(run_id, _RunTimes(target, event.time, self.deltas.labels(target)))
+            times = _RunTimes(
+                target,
+                event.time,
+                self.deltas.labels(target),
+                _tenant_label(self.node, record.tenant),
+                priority_class(record.priority),
+            )
+            self._track(run_id, times)
         elif kind is EventKind.STARTED:
             times = self._runs.get(run_id)
             if times is not None:
                 times.started = event.time
                 wait = max(0.0, event.time - times.queued)
                 self.queue_wait.labels(target, "started").observe(wait)
+                self.tenant_queue_wait.labels(times.tenant, times.priority, "started").observe(wait)
         elif kind.terminal:
             self._ended(event, record, self._runs.pop(run_id, None))
 
@@ -445,6 +523,12 @@ class NodeMetrics:
         assert status is not None
         target = record.target
         self.finished.labels(target, status.value).inc()
+        if times is not None:
+            tenant, priority = times.tenant, times.priority
+        else:
+            tenant = _tenant_label(self.node, record.tenant)
+            priority = priority_class(record.priority)
+        self.tenant_finished.labels(tenant, priority, status.value).inc()
         if status is RunStatus.REJECTED:
             self.rejected.labels(target, event.reason or "unknown").inc()
         usage = event.usage
@@ -463,6 +547,7 @@ class NodeMetrics:
             if outcome is not None:  # INTERRUPTED is not a way out of the queue
                 wait = max(0.0, event.time - times.queued)
                 self.queue_wait.labels(target, outcome).observe(wait)
+                self.tenant_queue_wait.labels(tenant, priority, outcome).observe(wait)
 
     def _track(self, run_id: str, times: _RunTimes) -> None:
         runs = self._runs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,7 +72,13 @@ def seed_store(db: Path) -> dict[str, str]:
             ("running-1", [RunStatus.RUNNING]),
         ):
             state, first = RunState.create(
-                run_id=run_id, target="echo/m", background=True, time=1.0, prompt="p"
+                run_id=run_id,
+                target="echo/m",
+                background=True,
+                time=1.0,
+                prompt="p",
+                tenant="acme" if run_id == "done-1" else "",
+                priority=7 if run_id == "done-1" else 0,
             )
             await store.create(state.record, first)
             for step in steps:
@@ -94,9 +101,17 @@ def test_runs_list_show_and_offline_cancel(tmp_path, capsys):
     code, out = run_cli("runs", "list", "--config", str(path), "--status", "succeeded", "--json")
     assert [r["run_id"] for r in json.loads(out)] == ["done-1"]
 
+    code, out = run_cli("runs", "list", "--config", str(path), "--tenant", "acme")
+    assert [line.split()[:4] for line in out.splitlines()[1:]] == [
+        ["done-1", "echo/m", "acme", "7"]
+    ]
+    code, out = run_cli("runs", "list", "--config", str(path), "--tenant", "", "--json")
+    assert {r["run_id"] for r in json.loads(out)} == {"queued-1", "running-1"}
+
     code, out = run_cli("runs", "show", "done-1", "--events", "--config", str(path))
     assert code == 0
     assert "status: succeeded" in out and "#3     succeeded" in out
+    assert "tenant: acme" in out and "priority: 7" in out
 
     code, out = run_cli("runs", "cancel", "queued-1", "--config", str(path), "--reason", "ops")
     assert (code, out.strip()) == (0, "queued-1: cancelled (no node was running)")
@@ -157,6 +172,38 @@ async def test_submit_streams_deltas_through_the_edge():
         )
         assert unknown.returncode == 1
         assert "no connected node serves 'echo/zz'" in unknown.stderr.decode()
+
+
+async def test_submit_says_when_to_retry_a_rejected_run():
+    async with stack(echo_node(("a", 0))) as s:  # a paused target: nothing starts
+        result = await cli(
+            "submit",
+            "--edge",
+            s.edge.url,
+            "--token",
+            TOKEN,
+            "--target",
+            "echo/a",
+            "--queue-timeout",
+            "0",
+            "--priority",
+            "3",
+            "not now",
+        )
+        assert result.returncode == 1
+        last = result.stderr.decode().splitlines()[-1]
+        assert last.startswith("rejected (queue_timeout: no capacity and queue_timeout is 0)")
+        assert re.search(r"; retry after \d+(\.\d+)?s$", last), last
+        [record] = await s.node.store.list_runs()
+        assert (record.priority, record.tenant, record.status) == (3, "", RunStatus.REJECTED)
+        assert record.retry_after is not None and record.retry_after > 0
+
+        bad = await cli(
+            "submit", "--edge", s.edge.url, "--token", TOKEN, "--target", "echo/a",
+            "--priority", "5000", "x",
+        )  # fmt: skip
+        assert bad.returncode == 1
+        assert "priority must be an integer from -1000 to 1000" in bad.stderr.decode()
 
 
 async def test_demo_once_runs_end_to_end():

@@ -13,6 +13,7 @@ from iop_trio.adapters.echo import EchoAdapter
 from iop_trio.adapters.ollama import OllamaAdapter
 from iop_trio.adapters.openai import OpenAIAdapter
 from iop_trio.config import ConfigError, apply_env, load_config, structure_config
+from iop_trio.model import TenantLimits
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "node.yaml"
 
@@ -44,6 +45,10 @@ def test_the_example_config_is_valid_and_builds_a_node():
     assert (slots["ollama"].concurrency, slots["echo"].concurrency) == (4, None)
     assert config.limits().concurrency == 8
     assert config.metrics.address == ("127.0.0.1", 9464)
+    assert config.limits().tenants == {
+        "batch": TenantLimits(weight=1, max_queued=200, concurrency=4),
+        "interactive": TenantLimits(weight=3),
+    }
 
 
 def test_environment_overrides_reach_nested_keys():
@@ -110,6 +115,15 @@ def mutate(path: str, value: Any) -> dict[str, Any]:
         ("store.kind", "postgres", "store.kind: must be one of 'sqlite', 'memory'"),
         ("metrics.listen", "nope", "metrics.listen: must be host:port"),
         ("targets", [], "targets: a node needs at least one target"),
+        ("tenants.batch.weight", 0, "tenants.batch.weight: must be a number > 0, not 0"),
+        (
+            "tenants.batch.weight",
+            float("inf"),
+            "tenants.batch.weight: must be a number > 0, not inf",
+        ),
+        ("tenants.batch.concurrency", -2, "tenants.batch.concurrency: must be an integer >= 0"),
+        ("tenants.batch.share", 2, "tenants.batch: unknown key\\(s\\) share"),
+        ("tenants.bad name", {}, "tenants: tenant 'bad name' must be up to 128 characters"),
     ],
 )
 def test_bad_values_name_the_file_and_the_key(path, value, message):

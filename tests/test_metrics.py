@@ -21,6 +21,7 @@ from iop_trio.metrics import (
     RUN_DURATION_BUCKETS,
     NodeMetrics,
 )
+from iop_trio.model import TenantLimits
 from iop_trio.ops import OpsApp, serve_ops
 from iop_trio.runtime import (
     AdapterSlot,
@@ -459,6 +460,42 @@ async def test_gauges_while_runs_are_queued_and_running():
         assert m("iop_node_live_runs") == 0
         assert m("iop_runs_finished_total", target=A, status="succeeded") == 3
         assert s.metrics.tracked_runs == 0
+
+
+async def test_per_tenant_series_name_set_tenants_and_lump_the_rest():
+    node, adapter = scripted_node(a_limit=1)
+    node.set_limits(tenants={"gold": TenantLimits(weight=2, concurrency=3)})
+    async with running(node) as s:
+        first = await submit(node, A, tenant="gold", priority=1)  # runs
+        waiting = [
+            await submit(node, A, tenant="gold"),
+            await submit(node, A, tenant="guest-17", priority=-5),
+            await submit(node, A),
+        ]
+        m = await s.scrape()
+        assert m("iop_gate_tenant_running_runs", tenant="gold") == 1
+        assert m("iop_gate_tenant_queued_runs", tenant="gold") == 1
+        assert m("iop_gate_tenant_queued_runs", tenant="other") == 1  # guest-17: not set
+        assert m("iop_gate_tenant_queued_runs", tenant="") == 1
+        assert m("iop_gate_tenant_weight", tenant="gold") == 2
+        assert m("iop_gate_tokens_limit", level="tenant", name="gold") == 3
+        assert m("iop_gate_tokens_borrowed", level="tenant", name="gold") == 1
+        assert not any(labels and ("tenant", "guest-17") in labels for _, labels in m.values)
+        for run_id in waiting:
+            await node.manager.cancel(run_id)
+        adapter.script(first).finish()
+        await ended(node, first)
+        m = await s.scrape()
+
+    finished = "iop_tenant_runs_finished_total"
+    assert m(finished, tenant="gold", priority="high", status="succeeded") == 1
+    assert m(finished, tenant="gold", priority="normal", status="cancelled") == 1
+    assert m(finished, tenant="other", priority="low", status="cancelled") == 1
+    assert m(finished, tenant="", priority="normal", status="cancelled") == 1
+    wait = "iop_tenant_queue_wait_seconds_count"
+    assert m(wait, tenant="gold", priority="high", outcome="started") == 1
+    assert m(wait, tenant="other", priority="low", outcome="cancelled") == 1
+    assert m("iop_gate_tenant_queued_runs", tenant="other") == 0
 
 
 async def test_healthz_follows_the_node_and_gauges_work_when_stopped():

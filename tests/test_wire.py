@@ -54,9 +54,9 @@ class Stack:
 
 @asynccontextmanager
 async def stack(
-    node: Node, *, edge_settings: SessionSettings | None = None
+    node: Node, *, edge_settings: SessionSettings | None = None, client_tenant: str = ""
 ) -> AsyncIterator[Stack]:
-    edge = Edge(token=TOKEN, settings=edge_settings)
+    edge = Edge(token=TOKEN, settings=edge_settings, client_tenant=client_tenant)
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             await nursery.start(edge.serve)
@@ -525,3 +525,22 @@ async def test_echo_is_available_without_the_counting_wrapper():
         async with s.edge.run(RunSpec("echo/m", "plain")) as stream:
             text, last = await stream.collect()
         assert (text, last.kind) == ("plain", EventKind.SUCCEEDED)
+
+
+async def test_the_edge_says_who_a_run_is_for_whatever_the_caller_sent():
+    node = echo_node(("a", 1))
+    async with (
+        stack(node, client_tenant="team-a") as s,
+        open_runner(s.edge.client_url, token=TOKEN) as client,
+    ):
+        spec = RunSpec("echo/a", "mine", tenant="team-b", priority=2, queue_timeout=5)
+        async with client.run(spec) as stream:
+            await stream.collect()
+        record = await node.store.get(stream.run_id)
+        assert record is not None
+        assert (record.tenant, record.priority) == ("team-a", 2)
+        [listed] = await client.list_runs(tenant="team-a")
+        assert await client.list_runs(tenant="team-b") == []
+        assert (listed.tenant, listed.priority) == ("team-a", 2)
+    with pytest.raises(ValueError, match="must be up to 128 characters"):
+        Edge(token=TOKEN, client_tenant="no spaces")

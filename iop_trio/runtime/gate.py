@@ -384,6 +384,11 @@ class Gate:
             tenant.weight, tenant.max_queued, None if total == math.inf else int(total)
         )
 
+    def is_set(self, tenant: str) -> bool:
+        """Whether ``tenant``'s share was set (:meth:`set_tenant`)."""
+        found = self._tenants.get(tenant)
+        return found is not None and found.configured
+
     def tenants(self) -> dict[str, TenantLimits]:
         """The tenants whose share was set, and their shares."""
         return {n: self.tenant_limits(n) for n, t in self._tenants.items() if t.configured}

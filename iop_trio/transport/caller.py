@@ -137,11 +137,19 @@ class RunnerClient:
             yield _Followed(self, replies, info)
 
     async def list_runs(
-        self, *, statuses: Collection[RunStatus] = (), target: str = "", limit: int = 100
+        self,
+        *,
+        statuses: Collection[RunStatus] = (),
+        target: str = "",
+        tenant: str | None = None,
+        limit: int = 100,
     ) -> list[pb.RunSummary]:
+        """Runs, newest first; empty ``statuses`` / ``target`` and ``tenant`` None match any."""
         request = pb.ListRuns(
             statuses=[status_to_pb(s) for s in statuses], target=target, limit=limit
         )
+        if tenant is not None:
+            request.tenant = tenant
         reply = await self._call("list_runs", request)
         assert isinstance(reply, pb.RunList)
         return list(reply.runs)
