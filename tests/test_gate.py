@@ -10,6 +10,8 @@ import math
 import pytest
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from iop_trio.model import RejectReason, TenantLimits
 from iop_trio.runtime.gate import MIN_RETRY_AFTER, Gate, GateRejected
@@ -277,3 +279,38 @@ def test_a_bad_tenant_share_is_refused_and_nothing_changes(limits, match):
     assert gate.tenant_limits("t") == TenantLimits(weight=2)
     with pytest.raises(ValueError, match="must be up to 128 characters"):
         gate.set_tenant("bad name", TenantLimits())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    weights=st.tuples(st.sampled_from([1, 2, 3, 0.5]), st.sampled_from([1, 2, 3, 0.5])),
+    arrivals=st.lists(st.sampled_from("ab"), min_size=2, max_size=40),
+)
+def test_backlogged_tenants_get_their_weighted_share_within_one_run(weights, arrivals):
+    """Start-time fair queueing's bound: while both tenants wait, the runs each got,
+    divided by its weight, differ by at most 1/w_a + 1/w_b, in every prefix."""
+    granted: list[str] = []
+
+    async def main() -> None:
+        gate = gate_with({"echo/a": 1})
+        gate.set_tenant("a", TenantLimits(weight=weights[0]))
+        gate.set_tenant("b", TenantLimits(weight=weights[1]))
+        async with trio.open_nursery() as nursery:
+            line = Line(gate, nursery)
+            await line.hold("busy", "echo/a")
+            for i, tenant in enumerate(arrivals):
+                await line.queue(f"{tenant}{i}", "echo/a", tenant=tenant)
+            line.let_go()
+        granted.extend(name[0] for name in line.granted)
+
+    trio.run(main)
+    assert sorted(granted) == sorted(arrivals)
+    total = {t: arrivals.count(t) for t in "ab"}
+    w = dict(zip("ab", weights, strict=True))
+    got = {"a": 0, "b": 0}
+    for tenant in granted:
+        if got["a"] == total["a"] or got["b"] == total["b"]:
+            break  # one of them is no longer backlogged
+        got[tenant] += 1
+        gap = abs(got["a"] / w["a"] - got["b"] / w["b"])
+        assert gap <= 1 / w["a"] + 1 / w["b"] + 1e-9, (granted, got)

@@ -8,6 +8,7 @@ a quiescent node. hypothesis-trio does not work with current Hypothesis.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -25,6 +26,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from iop_trio.model import TenantLimits
 from iop_trio.runtime import (
     AdapterSlot,
     EventKind,
@@ -53,6 +55,9 @@ TARGETS = [
 ]
 ADAPTERS = [("x", None, None), ("y", 3, 1)]  # (name, configured limit, capability)
 TARGET_NAMES = [f"{a}/{m}" for a, m, *_ in TARGETS]
+# tenants set at start (others, like "", have weight 1 and no bounds until a rule sets them)
+TENANTS = {"t1": TenantLimits(weight=1, max_queued=2, concurrency=1), "t2": TenantLimits(weight=2)}
+TENANT_NAMES = ["", "t1", "t2"]
 
 
 class TrioHost:
@@ -110,11 +115,17 @@ class Snapshot:
     borrowed: dict[str, int]  # limiter key -> borrowed tokens
     limits: dict[str, float]
     queued: int
+    queued_by_tenant: dict[str, int]
     now: float
 
+    def has_room(self, key: str) -> bool:
+        # a tenant the gate has forgotten (never set, no runs) holds nothing, has no bound
+        return self.borrowed.get(key, 0) < self.limits.get(key, math.inf)
 
-def limiter_keys(target: str) -> list[str]:
-    return [f"target:{target}", f"adapter:{target.split('/')[0]}", "global"]
+
+def limiter_keys(target: str, tenant: str) -> list[str]:
+    """The run's four levels, most specific first."""
+    return [f"tenant:{tenant}", f"target:{target}", f"adapter:{target.split('/')[0]}", "global"]
 
 
 class GateMachine(RuleBasedStateMachine):
@@ -132,12 +143,16 @@ class GateMachine(RuleBasedStateMachine):
                 for a, m, lim, mq, qt in TARGETS
             ],
             limits=RuntimeLimits(
-                concurrency=GLOBAL_LIMIT, max_queued=MAX_QUEUED, queue_timeout=QUEUE_TIMEOUT
+                concurrency=GLOBAL_LIMIT,
+                max_queued=MAX_QUEUED,
+                queue_timeout=QUEUE_TIMEOUT,
+                tenants=TENANTS,
             ),
             store=self.store,
         )
         self.runs: list[str] = []
         self.target_of: dict[str, str] = {}
+        self.spec_of: dict[str, RunSpec] = {}
         self.submitted_at: dict[str, float] = {}
         self.cancelled_while_queued: set[str] = set()
         # runs that held a token at a level when its limit was lowered: they may exceed it
@@ -164,6 +179,8 @@ class GateMachine(RuleBasedStateMachine):
                 borrowed[f"adapter:{name}"], limits[f"adapter:{name}"] = s.borrowed, s.limit
             for name, s in stats.targets.items():
                 borrowed[f"target:{name}"], limits[f"target:{name}"] = s.borrowed, s.limit
+            for name, s in stats.tenants.items():
+                borrowed[f"tenant:{name}"], limits[f"tenant:{name}"] = s.borrowed, s.limit
             live = {r.run_id: r.status for r in self.node.manager.live_records()}
             return Snapshot(
                 records={k: v for k, v in records.items() if v is not None},
@@ -172,6 +189,7 @@ class GateMachine(RuleBasedStateMachine):
                 borrowed=borrowed,
                 limits=limits,
                 queued=stats.queued,
+                queued_by_tenant=dict(stats.queued_by_tenant),
                 now=trio.current_time(),
             )
 
@@ -183,12 +201,11 @@ class GateMachine(RuleBasedStateMachine):
     def _running(self) -> list[str]:
         return [r for r in self.runs if self._status(r) is RunStatus.RUNNING]
 
+    def _keys(self, run_id: str) -> list[str]:
+        return limiter_keys(self.target_of[run_id], self.spec_of[run_id].tenant)
+
     def _under(self, key: str, status: RunStatus) -> list[str]:
-        return [
-            r
-            for r in self.runs
-            if self._status(r) is status and key in limiter_keys(self.target_of[r])
-        ]
+        return [r for r in self.runs if self._status(r) is status and key in self._keys(r)]
 
     def _step(self, fn: Callable[[], Awaitable[Any]]) -> Any:
         before = self.snap
@@ -203,20 +220,66 @@ class GateMachine(RuleBasedStateMachine):
             ):
                 waited = self.snap.now - self.submitted_at[run_id]
                 assert waited >= self._timeout(run_id), (run_id, waited)
+        self._check_order(before)
         return result
+
+    def _check_order(self, before: Snapshot) -> None:
+        """No run started in this step ahead of one that waited through it and should
+        have gone first: on its target, of higher priority (unless its tenant is full),
+        or of its own tenant and priority and older (FIFO)."""
+        started = [
+            r
+            for r in self.runs
+            if r in before.records
+            and before.records[r].status is RunStatus.QUEUED
+            and RunStatus.RUNNING
+            in {e.status for e in self.snap.events[r][len(before.events[r]) :]}
+        ]
+        still_waiting = [
+            r
+            for r in self.runs
+            if r in before.records
+            and before.records[r].status is RunStatus.QUEUED
+            and self._status(r) is RunStatus.QUEUED
+        ]
+        for late in started:
+            spec = self.spec_of[late]
+            for waiter in still_waiting:
+                other = self.spec_of[waiter]
+                if other.target != spec.target:
+                    continue  # another target's limits may be full: no head-of-line blocking
+                if other.priority > spec.priority:
+                    assert not self.snap.has_room(f"tenant:{other.tenant}"), (waiter, late)
+                if (other.tenant, other.priority) == (spec.tenant, spec.priority):
+                    assert self.runs.index(waiter) > self.runs.index(late), (waiter, late)
 
     def _timeout(self, run_id: str) -> float:
         target_timeout = TARGETS[TARGET_NAMES.index(self.target_of[run_id])][4]
-        return QUEUE_TIMEOUT if target_timeout is None else target_timeout
+        timeout = QUEUE_TIMEOUT if target_timeout is None else target_timeout
+        own = self.spec_of[run_id].queue_timeout
+        return timeout if own is None else min(timeout, own)
 
     # --- rules -------------------------------------------------------------------------
 
-    @rule(target_name=st.sampled_from(TARGET_NAMES), background=st.booleans())
-    def submit(self, target_name: str, background: bool) -> None:
+    @rule(
+        target_name=st.sampled_from(TARGET_NAMES),
+        background=st.booleans(),
+        tenant=st.sampled_from(TENANT_NAMES),
+        priority=st.sampled_from([-1, 0, 0, 2]),
+        queue_timeout=st.sampled_from([None, None, 0.0, 1.0, 30.0]),
+    )
+    def submit(
+        self,
+        target_name: str,
+        background: bool,
+        tenant: str,
+        priority: int,
+        queue_timeout: float | None,
+    ) -> None:
         target = target_name
         before = self.snap
-        keys = limiter_keys(target)
-        room = all(before.borrowed[k] < before.limits[k] for k in keys)
+        keys = limiter_keys(target, tenant)
+        room = all(before.has_room(k) for k in keys)
         lane_waiting = [
             r
             for r, s in before.live.items()
@@ -224,28 +287,47 @@ class GateMachine(RuleBasedStateMachine):
         ]
         _, _, _, target_max_queued, target_timeout = TARGETS[TARGET_NAMES.index(target)]
         timeout = QUEUE_TIMEOUT if target_timeout is None else target_timeout
+        if queue_timeout is not None:
+            timeout = min(timeout, queue_timeout)
+        tenant_max_queued = self.node.gate.tenant_limits(tenant).max_queued
+        spec = RunSpec(
+            target,
+            "p",
+            background=background,
+            tenant=tenant,
+            priority=priority,
+            queue_timeout=queue_timeout,
+        )
 
         async def go() -> str:
-            spec = RunSpec(target, "p", background=background)
             run_id = (await self.node.manager.submit(spec, owner="s1")).record.run_id
             self.runs.append(run_id)
             self.target_of[run_id] = target
+            self.spec_of[run_id] = spec
             self.submitted_at[run_id] = before.now
             return run_id
 
         run_id = self._step(go)
         record = self.snap.records[run_id]
-        if room and not lane_waiting:
+        if room:  # all four levels have room: whoever waits there is held by its tenant
             expected: tuple[RunStatus, str] = (RunStatus.RUNNING, "")
-        elif before.queued >= MAX_QUEUED or (
-            target_max_queued is not None and len(lane_waiting) >= target_max_queued
+        elif (
+            before.queued >= MAX_QUEUED
+            or (target_max_queued is not None and len(lane_waiting) >= target_max_queued)
+            or (
+                tenant_max_queued is not None
+                and before.queued_by_tenant.get(tenant, 0) >= tenant_max_queued
+            )
         ):
             expected = (RunStatus.REJECTED, "queue_full")
         elif timeout == 0:
             expected = (RunStatus.REJECTED, "queue_timeout")
         else:
             expected = (RunStatus.QUEUED, "")
-        assert (record.status, record.reason) == expected, (target, before)
+        assert (record.status, record.reason) == expected, (spec, before)
+        assert (record.tenant, record.priority) == (tenant, priority)
+        if record.status is RunStatus.REJECTED:
+            assert record.retry_after is not None and record.retry_after > 0
 
     @precondition(lambda self: bool(self.runs))
     @rule(data=st.data())
@@ -317,6 +399,29 @@ class GateMachine(RuleBasedStateMachine):
 
         self._step(go)
 
+    @rule(
+        tenant=st.sampled_from(TENANT_NAMES),
+        weight=st.sampled_from([1, 2, 3]),
+        max_queued=st.sampled_from([None, 0, 1, 3]),
+        concurrency=st.sampled_from([None, 0, 1, 2]),
+    )
+    def change_tenant(
+        self, tenant: str, weight: int, max_queued: int | None, concurrency: int | None
+    ) -> None:
+        key = f"tenant:{tenant}"
+        if (concurrency if concurrency is not None else math.inf) < self.snap.limits.get(
+            key, math.inf
+        ):
+            holders = set(self._under(key, RunStatus.RUNNING))
+            self.grandfathered.setdefault(key, set()).update(holders)
+        share = TenantLimits(weight=weight, max_queued=max_queued, concurrency=concurrency)
+
+        async def go() -> None:
+            self.node.set_limits(tenants={tenant: share})
+
+        self._step(go)
+        assert self.node.limits().tenants[tenant] == share
+
     @rule()
     def lose_session(self) -> None:
         foreground = [r for r in self.snap.live if not self.snap.records[r].background]
@@ -338,19 +443,24 @@ class GateMachine(RuleBasedStateMachine):
 
     @invariant()
     def tokens_match_running_runs_within_limits(self) -> None:
-        for key, borrowed in self.snap.borrowed.items():
+        keys = set(self.snap.borrowed) | {k for r in self.runs for k in self._keys(r)}
+        for key in keys:
+            borrowed = self.snap.borrowed.get(key, 0)
             running = self._under(key, RunStatus.RUNNING)
             assert borrowed == len(running), (key, borrowed, running)
             kept = self.grandfathered.get(key, set()) & set(running)
-            assert len(running) <= max(self.snap.limits[key], len(kept)), (key, running)
+            limit = self.snap.limits.get(key, math.inf)
+            assert len(running) <= max(limit, len(kept)), (key, running)
 
     @invariant()
     def no_waiting_run_could_start(self) -> None:
         queued = [r for r in self.runs if self._status(r) is RunStatus.QUEUED]
         assert self.snap.queued == len(queued) <= MAX_QUEUED
         for run_id in queued:
-            keys = limiter_keys(self.target_of[run_id])
-            assert any(self.snap.borrowed[k] >= self.snap.limits[k] for k in keys), run_id
+            assert not all(self.snap.has_room(k) for k in self._keys(run_id)), run_id
+        for tenant in TENANT_NAMES:
+            waiting = [r for r in queued if self.spec_of[r].tenant == tenant]
+            assert self.snap.queued_by_tenant.get(tenant, 0) == len(waiting), tenant
 
     @invariant()
     def queue_waits_respect_the_deadline(self) -> None:
@@ -358,18 +468,6 @@ class GateMachine(RuleBasedStateMachine):
             if self._status(run_id) is RunStatus.QUEUED:
                 waited = self.snap.now - self.submitted_at[run_id]
                 assert waited < self._timeout(run_id), (run_id, waited)
-
-    @invariant()
-    def no_run_overtakes_a_waiting_run_of_its_target(self) -> None:
-        # (runs granted in the same instant wake in any order, so the order in
-        # which adapters see them proves nothing; overtaking a waiter does)
-        for i, waiting in enumerate(self.runs):
-            if self._status(waiting) is not RunStatus.QUEUED:
-                continue
-            for later in self.runs[i + 1 :]:
-                if self.target_of[later] == self.target_of[waiting]:
-                    kinds = [e.kind for e in self.snap.events[later]]
-                    assert EventKind.STARTED not in kinds, (waiting, later)
 
     @invariant()
     def event_logs_are_whole(self) -> None:
@@ -412,6 +510,8 @@ class GateMachine(RuleBasedStateMachine):
         assert stats.global_.borrowed == 0
         assert all(s.borrowed == 0 for s in stats.adapters.values())
         assert all(s.borrowed == 0 for s in stats.targets.values())
+        assert all(s.borrowed == 0 for s in stats.tenants.values())
+        assert set(stats.tenants) <= set(TENANT_NAMES)  # tenants never set are forgotten
         assert all(not a.open_streams for a in self.adapters.values())
 
 
