@@ -63,6 +63,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/store.py
 	$(PY) benchmarks/drain.py
 	$(PY) benchmarks/memory.py
+	$(PY) benchmarks/fairness.py
 
 ## smoke: real-engine tests (llama.cpp server + Gemma 3 270M) in their own venv; opt-in
 smoke:

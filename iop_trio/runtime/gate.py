@@ -25,8 +25,9 @@ Strict priority may starve a lower priority; such runs end REJECTED
 
 :meth:`Gate._dispatch` is one synchronous function: per grant it looks at each
 target with waiters, and in each at its priority levels and their tenants,
-so a grant costs O(targets x (priorities + tenants)), whatever the number of
-waiting runs.
+so a grant costs O(targets x priorities + log tenants), whatever the number
+of waiting runs (tenants held at their own concurrency bound are stepped
+over, each at O(log tenants)).
 
 Admission (:meth:`Gate.acquire`): a run whose four limiters have room is
 granted at once (nothing waiting could use that room: the gate always grants
@@ -41,6 +42,7 @@ recent rate of grants and the runs ahead.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterator, Mapping
 
@@ -128,42 +130,74 @@ class _Ticket:
 
 @attrs.define(eq=False, repr=False)
 class _Level:
-    """The waiting runs of one priority at one target: a FIFO flow per tenant, and the
-    virtual times of start-time fair queueing (see the module docstring)."""
+    """The waiting runs of one priority at one target: a FIFO flow per tenant, the
+    virtual times of start-time fair queueing (see the module docstring), and a heap of
+    the flows' heads by (virtual time, arrival), so a grant costs O(log tenants).
+
+    Heap entries are not updated in place: a flow whose head or time changes gets a
+    new entry, and an entry that no longer matches its flow is dropped when met.
+    """
 
     flows: dict[_Tenant, dict[_Ticket, None]] = attrs.field(factory=dict)
     vtime: dict[_Tenant, float] = attrs.field(factory=dict)
     clock: float = 0.0
+    heap: list[tuple[float, int, int, _Tenant]] = attrs.field(factory=list)
+    pushes: int = 0
 
     def add(self, ticket: _Ticket) -> None:
-        flow = self.flows.get(ticket.tenant)
+        tenant = ticket.tenant
+        flow = self.flows.get(tenant)
         if flow is None:  # the tenant becomes backlogged: it saved up nothing meanwhile
-            flow = self.flows[ticket.tenant] = {}
-            self.vtime[ticket.tenant] = max(self.vtime.get(ticket.tenant, 0.0), self.clock)
-        flow[ticket] = None
+            flow = self.flows[tenant] = {}
+            self.vtime[tenant] = max(self.vtime.get(tenant, 0.0), self.clock)
+            flow[ticket] = None
+            self._push(tenant)
+        else:
+            flow[ticket] = None
 
     def remove(self, ticket: _Ticket) -> None:
         tenant = ticket.tenant
         flow = self.flows[tenant]
+        was_head = next(iter(flow)) is ticket
         del flow[ticket]
         if not flow:
             del self.flows[tenant]
             if self.vtime[tenant] <= self.clock:  # it would restart at the clock anyway
                 del self.vtime[tenant]
+        elif was_head:
+            self._push(tenant)
+
+    def _push(self, tenant: _Tenant) -> None:
+        head = next(iter(self.flows[tenant]))
+        self.pushes += 1
+        heapq.heappush(self.heap, (self.vtime[tenant], head.order, self.pushes, tenant))
+        if len(self.heap) > 2 * len(self.flows) + 16:  # mostly stale: rebuild
+            self.heap = [e for e in self.heap if self._current(e)]
+            heapq.heapify(self.heap)
+
+    def _current(self, entry: tuple[float, int, int, _Tenant]) -> bool:
+        vtime, order, _, tenant = entry
+        flow = self.flows.get(tenant)
+        return flow is not None and self.vtime[tenant] == vtime and next(iter(flow)).order == order
 
     def pick(self) -> _Ticket | None:
         """The head of the flow with the smallest virtual time (the older head on a tie)
         among the tenants with room; None if none has."""
-        best: _Ticket | None = None
-        best_key = (math.inf, math.inf)
-        for tenant, flow in self.flows.items():
-            if not _has_room(tenant.limiter):
-                continue
-            head = next(iter(flow))
-            key = (self.vtime[tenant], head.order)
-            if key < best_key:
-                best, best_key = head, key
-        return best
+        heap = self.heap
+        blocked = []
+        found = None
+        while heap:
+            entry = heap[0]
+            if not self._current(entry):
+                heapq.heappop(heap)
+            elif not _has_room(entry[3].limiter):
+                blocked.append(heapq.heappop(heap))
+            else:
+                found = next(iter(self.flows[entry[3]]))
+                break
+        for entry in blocked:
+            heapq.heappush(heap, entry)
+        return found
 
     def served(self, ticket: _Ticket) -> None:
         """``ticket`` (its flow's head) is granted: the level's clock moves to its start."""
@@ -171,7 +205,12 @@ class _Level:
         # never backwards: a tenant held back by its own concurrency bound starts late
         self.clock = max(self.clock, self.vtime[tenant])
         self.vtime[tenant] += 1.0 / tenant.weight
-        self.remove(ticket)
+        flow = self.flows[tenant]
+        del flow[ticket]
+        if flow:
+            self._push(tenant)
+        else:
+            del self.flows[tenant]
 
 
 @attrs.define(eq=False, repr=False)
