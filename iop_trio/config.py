@@ -96,6 +96,7 @@ class RuntimeConfig:
     max_output_bytes: int | None = attrs.field(default=16 * 1024 * 1024, validator=_int_at_least(1))
     max_run_time: float | None = attrs.field(default=3600.0, validator=_positive)
     store_grace: float = attrs.field(default=10.0, validator=_non_negative)
+    early_reject: bool = False
 
 
 def _weight_problem(value: Any) -> str | None:
@@ -200,6 +201,7 @@ class NodeConfig:
             max_output_bytes=r.max_output_bytes,
             max_run_time=r.max_run_time,
             store_grace=r.store_grace,
+            early_reject=r.early_reject,
             tenants={name: t.limits() for name, t in self.tenants.items()},
         )
 

@@ -314,3 +314,59 @@ def test_backlogged_tenants_get_their_weighted_share_within_one_run(weights, arr
         got[tenant] += 1
         gap = abs(got["a"] / w["a"] - got["b"] / w["b"])
         assert gap <= 1 / w["a"] + 1 / w["b"] + 1e-9, (granted, got)
+
+
+async def test_early_rejection_decides_at_once_from_the_queue_ahead(autojump_clock):
+    gate = gate_with({"echo/a": 1}, queue_timeout=600)
+    outcomes: dict[str, str] = {}
+
+    async def run(name: str, seconds: float, kw: dict[str, object]) -> None:
+        try:
+            with await gate.acquire(name, "echo/a", **kw):  # type: ignore[arg-type]
+                outcomes[name] = "started"
+                await trio.sleep(seconds)
+        except GateRejected as exc:
+            outcomes[name] = f"{exc.reason.value} after {trio.current_time() - t0:g}s"
+            rejections[name] = exc
+
+    rejections: dict[str, GateRejected] = {}
+    async with trio.open_nursery() as nursery:
+        t0 = trio.current_time()
+        for i in range(20):  # a busy target: a grant every second while runs wait
+            nursery.start_soon(run, f"warm{i}", 1.0, {})
+            await trio.testing.wait_all_tasks_blocked()
+        await trio.sleep(12.5)  # 12 grants seen, 7 runs still wait
+        gate.early_reject = True
+        t0 = trio.current_time()
+        for name, kw in [
+            ("hopeless", {"queue_timeout": 3}),  # 7 ahead at 1 s each: about 8 s
+            ("patient", {"queue_timeout": 30}),
+            ("urgent", {"queue_timeout": 3, "priority": 1}),  # nobody ahead: about 1 s
+        ]:
+            nursery.start_soon(run, name, 1.0, kw)
+            await trio.testing.wait_all_tasks_blocked()
+        assert outcomes.get("hopeless") == "queue_timeout after 0s"  # decided at once
+        assert "decided at once" in str(rejections["hopeless"])
+        assert rejections["hopeless"].retry_after == pytest.approx(5.0, abs=1.0)
+        assert "patient" not in outcomes and "urgent" not in outcomes  # they wait
+        gate.early_reject = False
+        nursery.start_soon(run, "off", 1.0, {"queue_timeout": 3})
+        await trio.testing.wait_all_tasks_blocked()
+        assert "off" not in outcomes  # without the switch it waits its 3 s
+        await trio.sleep(60)
+    assert outcomes["urgent"] == "started"
+    assert outcomes["patient"] == "started"
+    assert outcomes["off"] == "queue_timeout after 3s"
+
+
+async def test_early_rejection_waits_for_enough_of_a_rate(autojump_clock):
+    gate = Gate(concurrency=1, max_queued=100, queue_timeout=600, early_reject=True)
+    gate.add_adapter("echo", None)
+    gate.add_target("echo/a", adapter="echo", limit=1)
+    async with trio.open_nursery() as nursery:
+        line = Line(gate, nursery)
+        await line.hold("busy", "echo/a")
+        for i in range(10):  # no grant has been seen: nobody is refused on a guess
+            await line.queue(f"w{i}", "echo/a", queue_timeout=0.5)
+        assert line.rejected == {}
+        line.let_go()

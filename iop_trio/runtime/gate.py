@@ -35,9 +35,13 @@ until nothing can start). Else, if a queue bound is reached (``max_queued``
 node-wide, the target's, the tenant's) it is rejected with ``queue_full`` at
 once; if its queue timeout (the smaller of the run's own and the target's or
 node's) is 0 it is rejected with ``queue_timeout`` at once; otherwise it waits
-at most that long and is then rejected with ``queue_timeout``. A rejection
-carries ``retry_after``: seconds until such a run would likely get in, from the
-recent rate of grants and the runs ahead.
+at most that long and is then rejected with ``queue_timeout``. With
+``early_reject`` on, a run whose estimated wait (the runs that would start
+before it, plus one, times the recent time between grants at its target while
+runs waited there) already exceeds its timeout is rejected with
+``queue_timeout`` at once instead. A rejection carries ``retry_after``:
+seconds until such a run would likely get in, from the recent rate of grants
+and the runs ahead.
 """
 
 from __future__ import annotations
@@ -81,23 +85,38 @@ def _has_room(limiter: trio.CapacityLimiter) -> bool:
     return limiter.borrowed_tokens < limiter.total_tokens
 
 
+#: Gaps between grants a target must have seen before its wait is estimated for early
+#: rejection (see :attr:`Gate.early_reject`).
+EARLY_MIN_SAMPLES = 8
+
+
+def _clamp_hint(seconds: float) -> float:
+    return round(min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, seconds)), 1)
+
+
 @attrs.define(eq=False, repr=False)
 class _Rate:
     """Grants a second, as a moving average of the time between grants."""
 
     interval: float | None = None
     last: float | None = None
+    samples: int = 0
 
-    def tick(self, now: float) -> None:
-        if self.last is not None:
-            gap = now - self.last
+    def tick(self, now: float, *, since: float | None = None) -> None:
+        """A grant at ``now``. The gap since the last grant is a sample; ``since``, when
+        given, is when the gap may start at the earliest (a target's gaps count only
+        while runs wait there, so an idle spell does not look like slow service)."""
+        begin = self.last if since is None or self.last is None else max(self.last, since)
+        if begin is not None:
+            gap = now - begin
             self.interval = gap if self.interval is None else 0.8 * self.interval + 0.2 * gap
+            self.samples += 1
         self.last = now
 
     def wait_for(self, ahead: int, fallback: float) -> float:
         """Seconds until ``ahead`` more grants, at the recent rate (``fallback`` if none)."""
         guess = fallback if self.interval is None else (ahead + 1) * self.interval
-        return round(min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, guess)), 1)
+        return _clamp_hint(guess)
 
 
 @attrs.define(eq=False, repr=False)
@@ -143,8 +162,10 @@ class _Level:
     clock: float = 0.0
     heap: list[tuple[float, int, int, _Tenant]] = attrs.field(factory=list)
     pushes: int = 0
+    size: int = 0  # waiting runs
 
     def add(self, ticket: _Ticket) -> None:
+        self.size += 1
         tenant = ticket.tenant
         flow = self.flows.get(tenant)
         if flow is None:  # the tenant becomes backlogged: it saved up nothing meanwhile
@@ -156,6 +177,7 @@ class _Level:
             flow[ticket] = None
 
     def remove(self, ticket: _Ticket) -> None:
+        self.size -= 1
         tenant = ticket.tenant
         flow = self.flows[tenant]
         was_head = next(iter(flow)) is ticket
@@ -199,12 +221,30 @@ class _Level:
             heapq.heappush(heap, entry)
         return found
 
+    def ahead_of(self, tenant: _Tenant) -> int:
+        """How many of the runs waiting here would start before a new run of ``tenant``
+        (by their start tags; blocked tenants are counted as if they were not)."""
+        flow = self.flows.get(tenant)
+        if flow is None:
+            start = max(self.vtime.get(tenant, 0.0), self.clock)
+            ahead = 0
+        else:
+            start = self.vtime[tenant] + len(flow) / tenant.weight
+            ahead = len(flow)
+        for other, other_flow in self.flows.items():
+            if other is not tenant and self.vtime[other] <= start:
+                # start tags vtime + j / weight <= start go first (older on a tie)
+                later = math.floor((start - self.vtime[other]) * other.weight + 1e-9) + 1
+                ahead += min(len(other_flow), later)
+        return ahead
+
     def served(self, ticket: _Ticket) -> None:
         """``ticket`` (its flow's head) is granted: the level's clock moves to its start."""
         tenant = ticket.tenant
         # never backwards: a tenant held back by its own concurrency bound starts late
         self.clock = max(self.clock, self.vtime[tenant])
         self.vtime[tenant] += 1.0 / tenant.weight
+        self.size -= 1
         flow = self.flows[tenant]
         del flow[ticket]
         if flow:
@@ -226,6 +266,19 @@ class _Lane:
     levels: dict[int, _Level] = attrs.field(factory=dict)
     waiting: int = 0
     rate: _Rate = attrs.field(factory=_Rate)
+    backlogged_since: float = 0.0  # when the lane last went from no waiters to some
+
+    def estimated_wait(self, priority: int, tenant: _Tenant) -> float | None:
+        """Seconds a new run of ``priority`` and ``tenant`` would likely wait: the runs
+        that would start before it, plus one, times the recent time between grants here
+        (None until :data:`EARLY_MIN_SAMPLES` gaps have been seen)."""
+        if self.rate.interval is None or self.rate.samples < EARLY_MIN_SAMPLES:
+            return None
+        ahead = sum(level.size for p, level in self.levels.items() if p > priority)
+        level = self.levels.get(priority)
+        if level is not None:
+            ahead += level.ahead_of(tenant)
+        return (ahead + 1) * self.rate.interval
 
     def pick(self) -> _Ticket | None:
         """The best waiting run whose tenant has room (the lane's own room is the
@@ -299,9 +352,20 @@ class Gate:
     lets current holders finish and admits nobody new until the borrowed count
     is below the new limit; raising one admits waiting runs at once. A limit
     of 0 pauses that level: runs queue (or are rejected) as if it were full.
+    ``early_reject`` (settable) turns on early rejection (module docstring); it
+    acts only once a target has seen :data:`EARLY_MIN_SAMPLES` grants while runs
+    waited there.
     """
 
-    def __init__(self, *, concurrency: int, max_queued: int, queue_timeout: float) -> None:
+    def __init__(
+        self,
+        *,
+        concurrency: int,
+        max_queued: int,
+        queue_timeout: float,
+        early_reject: bool = False,
+    ) -> None:
+        self.early_reject = early_reject
         self._global = trio.CapacityLimiter(check_limit("concurrency", concurrency))
         self.max_queued = check_limit("max_queued", max_queued)
         self.queue_timeout = check_seconds("queue_timeout", queue_timeout)
@@ -540,6 +604,16 @@ class Gate:
             raise GateRejected(
                 RejectReason.QUEUE_TIMEOUT, "no capacity and queue_timeout is 0", retry_after
             )
+        if self.early_reject:
+            estimate = lane.estimated_wait(priority, ticket.tenant)
+            if estimate is not None and estimate > timeout:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                raise GateRejected(
+                    RejectReason.QUEUE_TIMEOUT,
+                    f"about {estimate:.1f}s of queue ahead on {target}, more than the "
+                    f"{timeout:g}s it may wait (decided at once)",
+                    _clamp_hint(estimate - timeout),
+                )
         ticket.task = trio.lowlevel.current_task()
         self._enqueue(ticket)
 
@@ -594,7 +668,7 @@ class Gate:
     def _grantable(self, lane: _Lane, tenant: _Tenant) -> bool:
         return _has_room(tenant.limiter) and self._lane_has_room(lane)
 
-    def _grant(self, ticket: _Ticket) -> None:
+    def _grant(self, ticket: _Ticket, *, queued: bool = False) -> None:
         # most specific first, global last; all four have room, so none can fail
         lane = ticket.lane
         ticket.tenant.limiter.acquire_on_behalf_of_nowait(ticket)
@@ -603,7 +677,10 @@ class Gate:
         self._global.acquire_on_behalf_of_nowait(ticket)
         ticket.granted = True
         now = trio.current_time()
-        lane.rate.tick(now)
+        if queued:  # service while runs wait: a sample of the target's rate
+            lane.rate.tick(now, since=lane.backlogged_since)
+        else:
+            lane.rate.last = now
         self._rate.tick(now)
 
     def withdraw(self, borrower: object) -> bool:
@@ -627,6 +704,8 @@ class Gate:
         if level is None:
             level = lane.levels[ticket.priority] = _Level()
         level.add(ticket)
+        if not lane.waiting:
+            lane.backlogged_since = trio.current_time()
         lane.waiting += 1
         ticket.tenant.queued += 1
         self._waiting[ticket.borrower] = ticket
@@ -688,6 +767,6 @@ class Gate:
             if best is None:
                 return
             self._dequeue(best, served=True)
-            self._grant(best)
+            self._grant(best, queued=True)
             assert best.task is not None
             trio.lowlevel.reschedule(best.task)

@@ -55,6 +55,8 @@ class RuntimeLimits:
     :class:`~iop_trio.model.TargetSpec`. A store that cannot write for
     ``store_grace`` seconds stops the running runs (FAILED ``store_unavailable``).
     ``tenants`` sets the share of each tenant named (others: weight 1, no bounds).
+    ``early_reject`` rejects a run at once when its estimated queue wait already
+    exceeds its queue timeout (see :class:`~iop_trio.runtime.gate.Gate`).
     """
 
     concurrency: int = 8
@@ -66,6 +68,7 @@ class RuntimeLimits:
     max_run_time: float | None = 3600.0
     store_grace: float = 10.0
     tenants: Mapping[str, TenantLimits] = attrs.field(factory=dict)
+    early_reject: bool = False
 
 
 @attrs.frozen
@@ -103,6 +106,7 @@ class Node:
             concurrency=self.runtime.concurrency,
             max_queued=self.runtime.max_queued,
             queue_timeout=self.runtime.queue_timeout,
+            early_reject=self.runtime.early_reject,
         )
         for name, share in self.runtime.tenants.items():
             self.gate.set_tenant(name, share)
