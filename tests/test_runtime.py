@@ -22,6 +22,7 @@ from iop_trio.runtime import (
     RunStatus,
     RuntimeLimits,
     TargetSpec,
+    TenantLimits,
     UnknownRun,
     UnknownTarget,
 )
@@ -360,6 +361,10 @@ async def test_set_limits_checks_everything_first(node_and_adapter):
         node.set_limits(concurrency=2, targets={A: -1})
     with pytest.raises(InvalidRequest, match="not True"):  # a bool is not a limit
         node.set_limits(concurrency=True)
+    with pytest.raises(InvalidRequest, match="tenant 'x' max_queued"):
+        node.set_limits(concurrency=2, tenants={"x": TenantLimits(max_queued=-1)})
+    with pytest.raises(InvalidRequest, match="must be up to 128 characters"):
+        node.set_limits(concurrency=2, tenants={"a b": TenantLimits()})
     assert node.limits() == before
 
 
@@ -369,6 +374,17 @@ async def test_unknown_target_and_bad_run_id_create_nothing(node_and_adapter):
         await node.manager.submit(RunSpec("nope/x", "p"))
     with pytest.raises(InvalidRequest, match="run_id"):
         await node.manager.submit(RunSpec(A, "p", run_id="bad id!"))
+    for bad, match in [
+        ({"tenant": "two words"}, "must be up to 128 characters"),
+        ({"tenant": "x" * 129}, "must be up to 128 characters"),
+        ({"priority": 1001}, "priority must be an integer from -1000 to 1000"),
+        ({"priority": True}, "priority must be an integer"),
+        ({"queue_timeout": -1.0}, "queue_timeout must be a number >= 0"),
+        ({"queue_timeout": float("nan")}, "queue_timeout must be a number >= 0"),
+        ({"queue_timeout": float("inf")}, "queue_timeout must be finite"),
+    ]:
+        with pytest.raises(InvalidRequest, match=match):
+            await node.manager.submit(RunSpec(A, "p", **bad))  # type: ignore[arg-type]
     assert await node.store.list_runs() == []
 
 

@@ -25,7 +25,16 @@ from trio_websocket import (
 from iop_trio.adapters.echo import EchoAdapter, EchoSettings
 from iop_trio.edge import Edge, NodeHandle
 from iop_trio.protocol import ProtoConnection, Reply, Request, Role, pb
-from iop_trio.runtime import EventKind, Node, RunSpec, RunStatus, RuntimeLimits, TargetSpec
+from iop_trio.protocol.convert import tenant_limits_from_pb
+from iop_trio.runtime import (
+    EventKind,
+    Node,
+    RunSpec,
+    RunStatus,
+    RuntimeLimits,
+    TargetSpec,
+    TenantLimits,
+)
 from iop_trio.store.memory import MemoryStore
 from iop_trio.transport import (
     Backoff,
@@ -190,6 +199,13 @@ async def test_set_limits_and_list_runs_over_the_wire():
         assert node.limits().targets["echo/a"] == 2
         with pytest.raises(RemoteError, match="unknown target 'echo/zzz'"):
             await s.handle.set_limits(targets={"echo/zzz": 1})
+        share = TenantLimits(weight=2.5, max_queued=7)
+        limits = await s.handle.set_limits(tenants={"acme": share})
+        assert tenant_limits_from_pb(limits.tenants["acme"]) == share
+        assert node.limits().tenants == {"acme": share}
+        with pytest.raises(RemoteError, match="tenant 'acme' weight must be a number > 0"):
+            await s.handle.set_limits(tenants={"acme": TenantLimits(weight=-1)})
+        assert node.limits().tenants == {"acme": share}  # nothing changed
         ids = [await s.handle.submit(RunSpec("echo/a", f"r{i}")) for i in range(3)]
         await node.manager.wait_idle()
         listed = await s.handle.list_runs(statuses=[RunStatus.SUCCEEDED], target="echo/a")

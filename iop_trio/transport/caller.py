@@ -14,13 +14,14 @@ import trio
 from google.protobuf.message import Message
 from trio_websocket import open_websocket_url
 
-from ..model import RunEvent, RunSpec, RunStatus
+from ..model import RunEvent, RunSpec, RunStatus, TenantLimits
 from ..protocol import Role, pb
 from ..protocol.convert import (
     TERMINAL_STATUSES_PB,
     event_from_pb,
     request_from_spec,
     status_to_pb,
+    tenant_limits_to_pb,
 )
 from .auth import bearer_header
 from .session import ProtoSession, ReplyStream, SessionClosed, SessionSettings
@@ -162,8 +163,15 @@ class RunnerClient:
         queue_timeout: float | None = None,
         adapters: Mapping[str, int] | None = None,
         targets: Mapping[str, int] | None = None,
+        tenants: Mapping[str, TenantLimits] | None = None,
     ) -> pb.Limits:
-        request = pb.SetLimits(adapters=adapters or {}, targets=targets or {})
+        """Change limits (None / absent leaves one as it is); each tenant named gets that
+        whole share. Returns the limits in force."""
+        request = pb.SetLimits(
+            adapters=adapters or {},
+            targets=targets or {},
+            tenants={n: tenant_limits_to_pb(t) for n, t in (tenants or {}).items()},
+        )
         if concurrency is not None:
             request.concurrency = concurrency
         if max_queued is not None:
