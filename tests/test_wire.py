@@ -357,18 +357,16 @@ async def _accept_then(request, handler) -> None:  # type: ignore[no-untyped-def
     await handler(ws)
 
 
-async def test_heartbeat_ends_a_session_whose_peer_stopped_answering():
+@asynccontextmanager
+async def node_dialling(edge_handler, settings: SessionSettings) -> AsyncIterator[NodeLink]:  # type: ignore[no-untyped-def]
+    """A node (echo/a) dialling a WebSocket server that gives each connection to
+    ``edge_handler`` and queues none of its messages (unread, they block its reader)."""
     node = echo_node(("a", 1))
-
-    async def deaf_edge(ws) -> None:  # type: ignore[no-untyped-def]
-        await trio.sleep_forever()  # never reads: with no queue, pings go unanswered
-
-    settings = SessionSettings(ping_interval=0.1, ping_timeout=0.2)
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
             server = await nursery.start(
                 lambda task_status: serve_websocket(
-                    lambda request: _accept_then(request, deaf_edge),
+                    lambda request: _accept_then(request, edge_handler),
                     "127.0.0.1",
                     0,
                     ssl_context=None,
@@ -385,9 +383,18 @@ async def test_heartbeat_ends_a_session_whose_peer_stopped_answering():
                     hello_timeout=60,
                 )
                 nursery.start_soon(client.run)
-                await client.wait_attempts(1)
-                assert "no pong" in client.last_error
+                yield client
                 nursery.cancel_scope.cancel()
+
+
+async def test_heartbeat_ends_a_session_whose_peer_stopped_answering():
+    async def deaf_edge(ws) -> None:  # type: ignore[no-untyped-def]
+        await trio.sleep_forever()  # never reads: with no queue, pings go unanswered
+
+    settings = SessionSettings(ping_interval=0.1, ping_timeout=0.2)
+    async with node_dialling(deaf_edge, settings) as client:
+        await client.wait_attempts(1)
+        assert "no pong" in client.last_error
 
 
 class _Steps(trio.abc.Instrument):
@@ -451,7 +458,6 @@ async def test_senders_waiting_for_room_go_in_order_one_wake_up_each():
 async def test_a_peer_whose_pongs_are_late_but_whose_frames_arrive_is_kept():
     """Under load a pong can wait behind the peer's data; frames that keep coming
     prove the peer alive, and the session ends only once it goes silent."""
-    node = echo_node(("a", 1))
     talking = trio.Event()
     stop_talking = trio.Event()
 
@@ -466,34 +472,13 @@ async def test_a_peer_whose_pongs_are_late_but_whose_frames_arrive_is_kept():
         await trio.sleep_forever()
 
     settings = SessionSettings(ping_interval=0.05, ping_timeout=0.5)
-    with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            server = await nursery.start(
-                lambda task_status: serve_websocket(
-                    lambda request: _accept_then(request, busy_edge),
-                    "127.0.0.1",
-                    0,
-                    ssl_context=None,
-                    message_queue_size=0,
-                    task_status=task_status,
-                )
-            )
-            async with node.running():
-                client = NodeLink(
-                    node,
-                    f"ws://127.0.0.1:{server.port}/node",
-                    settings=settings,
-                    backoff=FAST,
-                    hello_timeout=60,
-                )
-                nursery.start_soon(client.run)
-                await talking.wait()
-                await trio.sleep(2.0)  # forty unanswered pings, four ping timeouts
-                assert client.last_error == ""
-                stop_talking.set()
-                await client.wait_attempts(1)
-                assert "no pong" in client.last_error
-                nursery.cancel_scope.cancel()
+    async with node_dialling(busy_edge, settings) as client:
+        await talking.wait()
+        await trio.sleep(2.0)  # forty unanswered pings, four ping timeouts
+        assert client.last_error == ""
+        stop_talking.set()
+        await client.wait_attempts(1)
+        assert "no pong" in client.last_error
 
 
 async def test_the_node_reconnects_when_the_edge_comes_back():
