@@ -45,7 +45,7 @@ from .support import ScriptedAdapter
 T = TypeVar("T")
 
 GLOBAL_LIMIT = 3
-MAX_QUEUED = 4
+MAX_QUEUED = 8
 QUEUE_TIMEOUT = 5.0
 TARGETS = [
     # (adapter, model, limit, max_queued, queue_timeout)
@@ -157,6 +157,13 @@ class GateMachine(RuleBasedStateMachine):
         self.cancelled_while_queued: set[str] = set()
         # runs that held a token at a level when its limit was lowered: they may exceed it
         self.grandfathered: dict[str, set[str]] = {}
+        # fair shares: runs started at (target, priority) by two tenants (a < b), counted
+        # since both became backlogged there, with the weights they had then
+        self.shares: dict[tuple[str, int, str, str], tuple[float, float, int, int]] = {}
+        # a tenant held back by its own concurrency bound falls behind and may catch up
+        # later, which fair queueing allows: it is left out of the share check until it
+        # has no bound and no waiting run (its flows then start afresh)
+        self.lagging = {n for n, t in TENANTS.items() if t.concurrency is not None}
         self.host = TrioHost(self._main)
         self.snap = self._snapshot()
 
@@ -242,6 +249,7 @@ class GateMachine(RuleBasedStateMachine):
             and before.records[r].status is RunStatus.QUEUED
             and self._status(r) is RunStatus.QUEUED
         ]
+        self._check_shares(before, started)
         for late in started:
             spec = self.spec_of[late]
             for waiter in still_waiting:
@@ -252,6 +260,48 @@ class GateMachine(RuleBasedStateMachine):
                     assert not self.snap.has_room(f"tenant:{other.tenant}"), (waiter, late)
                 if (other.tenant, other.priority) == (spec.tenant, spec.priority):
                     assert self.runs.index(waiter) > self.runs.index(late), (waiter, late)
+
+    def _check_shares(self, before: Snapshot, started: list[str]) -> None:
+        """Between two tenants continuously backlogged at one (target, priority), the
+        runs each started, over its weight, differ by at most 1/w_a + 1/w_b."""
+
+        def backlogged(snap: Snapshot) -> set[tuple[str, int, str]]:
+            return {
+                (spec.target, spec.priority, spec.tenant)
+                for r, spec in self.spec_of.items()
+                if r in snap.records and snap.records[r].status is RunStatus.QUEUED
+            }
+
+        now = backlogged(self.snap)
+        both = backlogged(before) & now
+        for tenant in TENANT_NAMES:
+            key = f"tenant:{tenant}"
+            if min(before.limits.get(key, math.inf), self.snap.limits.get(key, math.inf)) < (
+                math.inf
+            ):
+                self.lagging.add(tenant)
+            elif not any(t == tenant for _, _, t in now):
+                self.lagging.discard(tenant)
+        weight = {t: self.node.gate.tenant_limits(t).weight for t in TENANT_NAMES}
+        shares = {}
+        for target, priority, a in both:
+            for other_target, other_priority, b in both:
+                if (other_target, other_priority) != (target, priority) or not a < b:
+                    continue
+                if {a, b} & self.lagging:
+                    continue
+                key = (target, priority, a, b)
+                wa, wb, na, nb = self.shares.get(key, (weight[a], weight[b], 0, 0))
+                if (wa, wb) != (weight[a], weight[b]):  # a new weight: a new window
+                    wa, wb, na, nb = weight[a], weight[b], 0, 0
+                for r in started:
+                    spec = self.spec_of[r]
+                    if (spec.target, spec.priority) == (target, priority):
+                        na += spec.tenant == a
+                        nb += spec.tenant == b
+                assert abs(na / wa - nb / wb) <= 1 / wa + 1 / wb + 1e-9, (key, na, nb)
+                shares[key] = (wa, wb, na, nb)
+        self.shares = shares
 
     def _timeout(self, run_id: str) -> float:
         target_timeout = TARGETS[TARGET_NAMES.index(self.target_of[run_id])][4]
@@ -329,6 +379,16 @@ class GateMachine(RuleBasedStateMachine):
         if record.status is RunStatus.REJECTED:
             assert record.retry_after is not None and record.retry_after > 0
 
+    @rule(
+        target_name=st.sampled_from(TARGET_NAMES),
+        tenant=st.sampled_from(TENANT_NAMES),
+        count=st.integers(2, 5),
+    )
+    def burst(self, target_name: str, tenant: str, count: int) -> None:
+        """Several runs of one tenant at once: what makes fair queueing matter."""
+        for _ in range(count):
+            self.submit(target_name, True, tenant, 0, None)
+
     @precondition(lambda self: bool(self.runs))
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
@@ -403,7 +463,7 @@ class GateMachine(RuleBasedStateMachine):
         tenant=st.sampled_from(TENANT_NAMES),
         weight=st.sampled_from([1, 2, 3]),
         max_queued=st.sampled_from([None, 0, 1, 3]),
-        concurrency=st.sampled_from([None, 0, 1, 2]),
+        concurrency=st.sampled_from([None, None, None, 0, 1, 2]),
     )
     def change_tenant(
         self, tenant: str, weight: int, max_queued: int | None, concurrency: int | None
