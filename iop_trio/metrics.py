@@ -169,6 +169,18 @@ METRICS: tuple[MetricInfo, ...] = (
         "iop_gate_tenant_running_runs", "gauge", ("tenant",), "Runs holding a permit, by tenant."
     ),
     MetricInfo(
+        "iop_gate_priority_queued_runs",
+        "gauge",
+        ("priority",),
+        "Runs waiting now, by priority class (high > 0, normal 0, low < 0).",
+    ),
+    MetricInfo(
+        "iop_gate_priority_running_runs",
+        "gauge",
+        ("priority",),
+        "Runs holding a permit now, by priority class.",
+    ),
+    MetricInfo(
         "iop_gate_tenant_weight",
         "gauge",
         ("tenant",),
@@ -288,6 +300,15 @@ class _GateCollector:
             g["iop_gate_tenant_running_runs"].add_metric([label], count)
         for tenant, share in configured.items():
             g["iop_gate_tenant_weight"].add_metric([tenant], share.weight)
+        for name, by_priority in (
+            ("iop_gate_priority_queued_runs", stats.queued_by_priority),
+            ("iop_gate_priority_running_runs", stats.running_by_priority),
+        ):
+            classes = dict.fromkeys(("high", "normal", "low"), 0)
+            for priority, count in by_priority.items():
+                classes[priority_class(priority)] += count
+            for label, count in classes.items():
+                g[name].add_metric([label], count)
         levels: list[tuple[str, Mapping[str, LimiterStats]]] = [
             ("global", {"global": stats.global_}),
             ("adapter", stats.adapters),

@@ -571,6 +571,7 @@ class GateMachine(RuleBasedStateMachine):
         assert all(s.borrowed == 0 for s in stats.adapters.values())
         assert all(s.borrowed == 0 for s in stats.targets.values())
         assert all(s.borrowed == 0 for s in stats.tenants.values())
+        assert stats.running_by_priority == {} and stats.queued_by_priority == {}
         assert set(stats.tenants) <= set(TENANT_NAMES)  # tenants never set are forgotten
         assert all(not a.open_streams for a in self.adapters.values())
 

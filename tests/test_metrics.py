@@ -481,6 +481,10 @@ async def test_per_tenant_series_name_set_tenants_and_lump_the_rest():
         assert m("iop_gate_tokens_limit", level="tenant", name="gold") == 3
         assert m("iop_gate_tokens_borrowed", level="tenant", name="gold") == 1
         assert not any(labels and ("tenant", "guest-17") in labels for _, labels in m.values)
+        assert m("iop_gate_priority_running_runs", priority="high") == 1
+        assert m("iop_gate_priority_queued_runs", priority="normal") == 2
+        assert m("iop_gate_priority_queued_runs", priority="low") == 1
+        assert m("iop_gate_priority_queued_runs", priority="high") == 0
         for run_id in waiting:
             await node.manager.cancel(run_id)
         adapter.script(first).finish()

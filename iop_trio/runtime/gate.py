@@ -340,6 +340,8 @@ class GateStatistics:
     queued_by_target: Mapping[str, int]
     tenants: Mapping[str, LimiterStats] = attrs.field(factory=dict)
     queued_by_tenant: Mapping[str, int] = attrs.field(factory=dict)
+    queued_by_priority: Mapping[int, int] = attrs.field(factory=dict)
+    running_by_priority: Mapping[int, int] = attrs.field(factory=dict)
 
 
 class Gate:
@@ -380,6 +382,7 @@ class Gate:
         self._queued = 0
         self._order = 0
         self._rate = _Rate()  # grants, node-wide
+        self._running_by_priority: dict[int, int] = {}
 
     def __repr__(self) -> str:
         g = self._global
@@ -550,7 +553,16 @@ class Gate:
             queued_by_target={n: lane.waiting for n, lane in self._lanes.items()},
             tenants={n: stats(t.limiter) for n, t in self._tenants.items()},
             queued_by_tenant={n: t.queued for n, t in self._tenants.items()},
+            queued_by_priority=self._queued_by_priority(),
+            running_by_priority={p: n for p, n in self._running_by_priority.items() if n},
         )
+
+    def _queued_by_priority(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for lane in self._busy_lanes:
+            for priority, level in lane.levels.items():
+                counts[priority] = counts.get(priority, 0) + level.size
+        return counts
 
     def _lane(self, target: str) -> _Lane:
         try:
@@ -676,6 +688,8 @@ class Gate:
         lane.adapter_limiter.acquire_on_behalf_of_nowait(ticket)
         self._global.acquire_on_behalf_of_nowait(ticket)
         ticket.granted = True
+        running = self._running_by_priority
+        running[ticket.priority] = running.get(ticket.priority, 0) + 1
         now = trio.current_time()
         if queued:  # service while runs wait: a sample of the target's rate
             lane.rate.tick(now, since=lane.backlogged_since)
@@ -746,6 +760,10 @@ class Gate:
         lane.adapter_limiter.release_on_behalf_of(ticket)
         lane.target_limiter.release_on_behalf_of(ticket)
         ticket.tenant.limiter.release_on_behalf_of(ticket)
+        running = self._running_by_priority
+        running[ticket.priority] -= 1
+        if not running[ticket.priority]:
+            del running[ticket.priority]
         self._forget_if_idle(ticket.tenant)
         self._dispatch()
 
