@@ -257,6 +257,16 @@ async def test_tenants_never_set_are_forgotten_when_idle():
         assert set(gate.statistics().tenants) == {"kept", "passing", "waiting"}
         line.let_go()
     assert set(gate.statistics().tenants) == {"kept"}
+    async with trio.open_nursery() as nursery:  # runs turned away at once leave none either
+        line = Line(gate, nursery)
+        await line.hold("busy", "echo/a")
+        for i in range(5):
+            await line.queue(f"r{i}", "echo/a", tenant=f"once{i}", queue_timeout=0)
+        with pytest.raises(ValueError, match="queue_timeout"):
+            await gate.acquire("bad", "echo/a", tenant="bad", queue_timeout=-1)
+        assert len(line.rejected) == 5
+        assert set(gate.statistics().tenants) == {"kept", ""}
+        line.let_go()
     assert gate.tenants() == {"kept": TenantLimits(weight=3.0)}
     assert gate.tenant_limits("never") == TenantLimits()
 
@@ -370,3 +380,38 @@ async def test_early_rejection_waits_for_enough_of_a_rate(autojump_clock):
             await line.queue(f"w{i}", "echo/a", queue_timeout=0.5)
         assert line.rejected == {}
         line.let_go()
+
+
+async def test_a_stream_of_newcomers_does_not_starve_a_backlogged_tenant():
+    """Newcomers start at the level's virtual time, which every grant moves on. Here a
+    new one-run tenant arrives for every run granted, more than the target serves, so
+    newcomers pile up and the backlogged tenant gets its fair share, one turn among the
+    tenants waiting: 6 of 30 grants. With a clock that only followed the starts served,
+    every newcomer started at the same time, ahead of it, and it got 1."""
+    gate = gate_with({"echo/a": 1})
+    granted: list[str] = []
+    holding: list[trio.Event] = []
+
+    async def run(name: str, tenant: str) -> None:
+        with await gate.acquire(name, "echo/a", tenant=tenant):
+            granted.append(name)
+            done = trio.Event()
+            holding.append(done)
+            await done.wait()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run, "busy", "")
+        await trio.testing.wait_all_tasks_blocked()
+        for i in range(10):
+            nursery.start_soon(run, f"heavy{i}", "heavy")
+            await trio.testing.wait_all_tasks_blocked()
+        for i in range(30):
+            nursery.start_soon(run, f"new{i}", f"new{i}")
+            await trio.testing.wait_all_tasks_blocked()
+            holding.pop(0).set()  # one run ends: one grant
+            await trio.testing.wait_all_tasks_blocked()
+        level = gate._lane("echo/a").levels[0]
+        assert len(level.vtime) <= 2 * len(level.flows) + 17  # newcomers gone leave no trace
+        nursery.cancel_scope.cancel()
+    heavy = sum(name.startswith("heavy") for name in granted)
+    assert heavy >= 5, granted

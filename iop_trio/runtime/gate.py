@@ -16,8 +16,10 @@ room: the one of highest priority among the targets, the oldest of those on a
 tie. Fair queueing is start-time fair queueing by run count: each tenant's
 flow at a (target, priority) carries a virtual time, a grant adds 1/weight to
 it, the flow with the smallest time goes next (the older head on a tie), and a
-flow that becomes backlogged starts at the level's current virtual time, so no
-tenant saves up credit while idle. Two backlogged tenants of equal weight
+flow that becomes backlogged starts at the level's virtual time, which every
+grant moves on by 1 / the waiting tenants' weights (as in weighted fair
+queueing), so no tenant saves up credit while idle and a stream of newcomers
+cannot starve a backlogged tenant. Two backlogged tenants of equal weight
 therefore alternate, whatever their arrival rates. A run whose target (or
 tenant) is full never blocks one that could run (no head-of-line blocking).
 Strict priority may starve a lower priority; such runs end REJECTED
@@ -49,6 +51,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterator, Mapping
+from typing import NoReturn
 
 import attrs
 import trio
@@ -159,7 +162,10 @@ class _Level:
 
     flows: dict[_Tenant, dict[_Ticket, None]] = attrs.field(factory=dict)
     vtime: dict[_Tenant, float] = attrs.field(factory=dict)
+    # the level's virtual time: a grant moves it by 1 / the waiting tenants' weights
     clock: float = 0.0
+    weights: float = 0.0  # of the waiting tenants, as they were when each began to wait
+    entered: dict[_Tenant, float] = attrs.field(factory=dict)  # each one's weight then
     heap: list[tuple[float, int, int, _Tenant]] = attrs.field(factory=list)
     pushes: int = 0
     size: int = 0  # waiting runs
@@ -169,9 +175,11 @@ class _Level:
         tenant = ticket.tenant
         flow = self.flows.get(tenant)
         if flow is None:  # the tenant becomes backlogged: it saved up nothing meanwhile
-            flow = self.flows[tenant] = {}
             self.vtime[tenant] = max(self.vtime.get(tenant, 0.0), self.clock)
+            flow = self.flows[tenant] = {}
             flow[ticket] = None
+            self.entered[tenant] = tenant.weight
+            self.weights += tenant.weight
             self._push(tenant)
         else:
             flow[ticket] = None
@@ -183,11 +191,17 @@ class _Level:
         was_head = next(iter(flow)) is ticket
         del flow[ticket]
         if not flow:
-            del self.flows[tenant]
-            if self.vtime[tenant] <= self.clock:  # it would restart at the clock anyway
-                del self.vtime[tenant]
+            self._idle(tenant)
         elif was_head:
             self._push(tenant)
+
+    def _idle(self, tenant: _Tenant) -> None:
+        """``tenant`` has no more runs waiting here."""
+        del self.flows[tenant]
+        self.weights -= self.entered.pop(tenant)
+        if len(self.vtime) > 2 * len(self.flows) + 16:
+            # times of tenants gone idle that the clock has passed mean nothing now
+            self.vtime = {t: v for t, v in self.vtime.items() if t in self.flows or v > self.clock}
 
     def _push(self, tenant: _Tenant) -> None:
         head = next(iter(self.flows[tenant]))
@@ -239,10 +253,12 @@ class _Level:
         return ahead
 
     def served(self, ticket: _Ticket) -> None:
-        """``ticket`` (its flow's head) is granted: the level's clock moves to its start."""
+        """``ticket`` (its flow's head) is granted. The clock moves on by 1 / the waiting
+        tenants' weights, and at least to the start of the run served: so it keeps pace
+        with the tenants' own times, and a stream of newcomers (each starting at the
+        clock) cannot keep a backlogged tenant waiting."""
         tenant = ticket.tenant
-        # never backwards: a tenant held back by its own concurrency bound starts late
-        self.clock = max(self.clock, self.vtime[tenant])
+        self.clock = max(self.clock + 1.0 / self.weights, self.vtime[tenant])
         self.vtime[tenant] += 1.0 / tenant.weight
         self.size -= 1
         flow = self.flows[tenant]
@@ -250,7 +266,7 @@ class _Level:
         if flow:
             self._push(tenant)
         else:
-            del self.flows[tenant]
+            self._idle(tenant)
 
 
 @attrs.define(eq=False, repr=False)
@@ -593,6 +609,9 @@ class Gate:
         Always a checkpoint.
         """
         lane = self._lane(target)
+        timeout = self.queue_timeout if lane.queue_timeout is None else lane.queue_timeout
+        if queue_timeout is not None:
+            timeout = min(timeout, check_seconds("queue_timeout", queue_timeout))
         await trio.lowlevel.checkpoint_if_cancelled()
         self._order += 1
         ticket = _Ticket(borrower, lane, self._tenant(tenant), priority, self._order)
@@ -604,23 +623,19 @@ class Gate:
         full = self._full(lane, ticket.tenant)
         if full is not None:
             # made before the checkpoint, so the message counts what refused the run
-            message, retry_after = full
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            raise GateRejected(RejectReason.QUEUE_FULL, message, retry_after)
-        timeout = self.queue_timeout if lane.queue_timeout is None else lane.queue_timeout
-        if queue_timeout is not None:
-            timeout = min(timeout, check_seconds("queue_timeout", queue_timeout))
+            await self._turn_away(ticket, RejectReason.QUEUE_FULL, *full)
         if timeout <= 0:
-            retry_after = lane.rate.wait_for(lane.waiting, 1.0)
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            raise GateRejected(
-                RejectReason.QUEUE_TIMEOUT, "no capacity and queue_timeout is 0", retry_after
+            await self._turn_away(
+                ticket,
+                RejectReason.QUEUE_TIMEOUT,
+                "no capacity and queue_timeout is 0",
+                lane.rate.wait_for(lane.waiting, 1.0),
             )
         if self.early_reject:
             estimate = lane.estimated_wait(priority, ticket.tenant)
             if estimate is not None and estimate > timeout:
-                await trio.lowlevel.cancel_shielded_checkpoint()
-                raise GateRejected(
+                await self._turn_away(
+                    ticket,
                     RejectReason.QUEUE_TIMEOUT,
                     f"about {estimate:.1f}s of queue ahead on {target}, more than the "
                     f"{timeout:g}s it may wait (decided at once)",
@@ -647,6 +662,14 @@ class Gate:
                 lane.rate.wait_for(lane.waiting, timeout),
             )
         return Permit(self, ticket)
+
+    async def _turn_away(
+        self, ticket: _Ticket, reason: RejectReason, message: str, retry_after: float
+    ) -> NoReturn:
+        """Reject a run that never waited (a tenant it alone brought is forgotten)."""
+        self._forget_if_idle(ticket.tenant)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        raise GateRejected(reason, message, retry_after)
 
     def _full(self, lane: _Lane, tenant: _Tenant) -> tuple[str, float] | None:
         """Which queue bound a new waiter would break, in words, and when a run would likely

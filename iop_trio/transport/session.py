@@ -454,17 +454,19 @@ class ProtoSession:
         """Ping every ``ping_interval``; end the session once the peer is silent.
 
         A ping not answered within ``ping_timeout`` is forgiven while frames
-        still arrive (the peer is busy, not gone): it stays in flight, and a
-        later pong answers it too. The session ends only when a ping is
+        still arrive (the peer is busy, not gone): it stays in flight, and no
+        other is sent until it is answered. The session ends only when a ping is
         unanswered and nothing at all came for ``ping_timeout`` seconds.
         """
         interval, timeout = self.settings.ping_interval, self.settings.ping_timeout
+        answered: trio.Event | None = None
         while True:
             await trio.sleep(interval)
-            answered = trio.Event()
-            assert self._nursery is not None
-            # the ping is never cancelled half-written: only the wait for its pong is timed
-            self._nursery.start_soon(self._ping, answered)
+            if answered is None or answered.is_set():  # one ping in flight at a time
+                answered = trio.Event()
+                assert self._nursery is not None
+                # the ping is never cancelled half-written: only the wait for its pong is timed
+                self._nursery.start_soon(self._ping, answered)
             with trio.move_on_after(timeout):
                 await answered.wait()
             if self._closed:
