@@ -31,6 +31,7 @@ from .model import (
     TenantLimits,
     field_check,
     limit_problem,
+    pinned_problem,
     seconds_problem,
     tenant_problem,
 )
@@ -140,6 +141,9 @@ class TargetConfig:
     max_prompt_bytes: int | None = attrs.field(default=None, validator=_int_at_least(1))
     max_output_bytes: int | None = attrs.field(default=None, validator=_int_at_least(1))
     max_run_time: float | None = attrs.field(default=None, validator=_positive)
+    # run options callers may set (null: the adapter kind's default), and caps on them
+    allow_options: list[str] | None = None
+    option_caps: dict[str, float] = attrs.field(factory=dict)
 
     def spec(self) -> TargetSpec:
         return TargetSpec(
@@ -153,6 +157,8 @@ class TargetConfig:
             max_prompt_bytes=self.max_prompt_bytes,
             max_output_bytes=self.max_output_bytes,
             max_run_time=self.max_run_time,
+            allow_options=None if self.allow_options is None else frozenset(self.allow_options),
+            option_caps=dict(self.option_caps),
         )
 
 
@@ -369,6 +375,15 @@ def _check_references(config: NodeConfig) -> None:
                 f"{src}: targets[{i}].adapter: {target.adapter!r} is not one of the "
                 f"adapters ({', '.join(sorted(config.adapters)) or 'none configured'})"
             )
+        for option in target.allow_options or ():
+            problem = pinned_problem(option)
+            if problem is not None:
+                raise ConfigError(f"{src}: targets[{i}].allow_options: {problem}")
+        for option, cap in target.option_caps.items():
+            if _weight_problem(cap) is not None:
+                raise ConfigError(
+                    f"{src}: targets[{i}].option_caps.{option}: must be a number > 0, not {cap!r}"
+                )
         name = target.spec().name
         if name in names:
             raise ConfigError(f"{src}: targets[{i}]: target {name!r} is configured twice")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -183,6 +183,10 @@ class RunSpec:
     queue_timeout: float | None = None
 
 
+def _names_or_none(names: Iterable[str] | None) -> frozenset[str] | None:
+    return None if names is None else frozenset(names)
+
+
 @attrs.frozen
 class TargetSpec:
     """A target: an adapter namespace, a model and the profile settings runs get.
@@ -193,6 +197,9 @@ class TargetSpec:
     ``max_prompt_bytes`` of UTF-8, and ends FAILED with ``output_limit`` once
     its output passes ``max_output_bytes``, or with ``run_timeout`` if it
     runs for more than ``max_run_time`` seconds (queue wait not counted).
+    A caller's run options are limited to ``allow_options`` and capped by
+    ``option_caps`` (see :meth:`caller_options`); the profile's ``params`` are
+    the operator's and may set anything.
     """
 
     adapter: str
@@ -206,6 +213,9 @@ class TargetSpec:
     max_prompt_bytes: int | None = None
     max_output_bytes: int | None = None
     max_run_time: float | None = None
+    # what callers may set (see caller_options); None takes the adapter's default
+    allow_options: frozenset[str] | None = attrs.field(default=None, converter=_names_or_none)
+    option_caps: Mapping[str, float] = attrs.field(factory=dict)
 
     @property
     def name(self) -> str:
@@ -215,6 +225,88 @@ class TargetSpec:
     def params_for(self, options: Mapping[str, Any]) -> dict[str, Any]:
         """The params a run gets: the profile's ``params`` with the run's ``options`` on top."""
         return overlay(self.params, options)
+
+    def caller_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """``options`` as a caller may give them for this target, capped; InvalidRequest
+        naming the first option a caller may not set.
+
+        A caller may set the keys in ``allow_options`` (resolved: the node fills in the
+        adapter's default), and a key inside a mapping option as ``"outer.inner"``
+        (``"extra_body.min_p"``); never the keys in :data:`PINNED_OPTIONS`. A number
+        over its ``option_caps`` entry is lowered to it; a capped key that neither the
+        caller nor the profile sets gets the cap, so a cap on ``max_tokens`` bounds
+        every run.
+        """
+        allowed = self.allow_options or frozenset()
+        given: dict[str, Any] = {}
+        for key, value in options.items():
+            if isinstance(value, Mapping):
+                inner = {}
+                for sub, sub_value in value.items():
+                    _check_option(self, allowed, f"{key}.{sub}", sub)
+                    inner[sub] = _capped(self, f"{key}.{sub}", sub_value)
+                given[key] = inner
+            else:
+                _check_option(self, allowed, key, key)
+                given[key] = _capped(self, key, value)
+        for name, cap in self.option_caps.items():
+            outer, _, inner_key = name.partition(".")
+            profile = self.params.get(outer)
+            if inner_key:
+                if inner_key not in given.get(outer, {}) and not (
+                    isinstance(profile, Mapping) and inner_key in profile
+                ):
+                    given[outer] = {**given.get(outer, {}), inner_key: cap}
+            elif outer not in given and profile is None:
+                given[outer] = cap
+        return given
+
+
+#: Run options no caller may ever set: they choose the engine, the model or what the
+#: operator pins (a mapping option is refused whole; its keys may be allowed one by one).
+PINNED_OPTIONS = frozenset(
+    {
+        "model",
+        "base_url",
+        "messages",
+        "prompt",
+        "stream",
+        "stream_options",
+        "keep_alive",
+        "system",
+        "format",
+        "extra_body",
+        "options",
+        "api_key",
+        "headers",
+    }
+)
+
+
+def pinned_problem(name: str) -> str | None:
+    """Why ``name`` cannot be in a target's ``allow_options``, or None."""
+    if name in PINNED_OPTIONS or name.rpartition(".")[2] in PINNED_OPTIONS:
+        return f"option {name!r} is pinned by the operator; no caller may set it"
+    return None
+
+
+def _check_option(target: TargetSpec, allowed: frozenset[str], name: str, leaf: str) -> None:
+    if leaf in PINNED_OPTIONS or name not in allowed:
+        may = ", ".join(sorted(allowed)) or "none"
+        raise InvalidRequest(
+            f"option {name!r} may not be set by a caller on {target.name} (allowed: {may})"
+        )
+
+
+def _capped(target: TargetSpec, name: str, value: Any) -> Any:
+    cap = target.option_caps.get(name)
+    if cap is None:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        raise InvalidRequest(f"option {name!r} must be a number, not {value!r}")
+    if value > cap:
+        return int(cap) if isinstance(value, int) and float(cap).is_integer() else cap
+    return value
 
 
 def overlay(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

@@ -649,9 +649,12 @@ def make_node(
     model: str = "m",
     params: Mapping[str, Any] | None = None,
     concurrency: int = 1,
+    **target: Any,
 ) -> Node:
-    """A node with one target ``{adapter.name}/{model}``."""
-    target = TargetSpec(adapter.name, model, concurrency=concurrency, params=dict(params or {}))
+    """A node with one target ``{adapter.name}/{model}`` (``target``: more TargetSpec fields)."""
+    target = TargetSpec(
+        adapter.name, model, concurrency=concurrency, params=dict(params or {}), **target
+    )
     return Node(node_id="test", adapters=[adapter], targets=[target], store=MemoryStore())
 
 

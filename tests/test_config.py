@@ -45,6 +45,9 @@ def test_the_example_config_is_valid_and_builds_a_node():
     assert (slots["ollama"].concurrency, slots["echo"].concurrency) == (4, None)
     assert config.limits().concurrency == 8
     assert config.metrics.address == ("127.0.0.1", 9464)
+    vllm = config.target_specs()[2]
+    assert "extra_body.min_p" in (vllm.allow_options or ())
+    assert vllm.option_caps == {"max_tokens": 1024}
     assert config.limits().tenants == {
         "batch": TenantLimits(weight=1, max_queued=200, concurrency=4),
         "interactive": TenantLimits(weight=3),
@@ -124,6 +127,12 @@ def mutate(path: str, value: Any) -> dict[str, Any]:
         ("tenants.batch.concurrency", -2, "tenants.batch.concurrency: must be an integer >= 0"),
         ("tenants.batch.share", 2, "tenants.batch: unknown key\\(s\\) share"),
         ("tenants.bad name", {}, "tenants: tenant 'bad name' must be up to 128 characters"),
+        (
+            "targets.2.allow_options",
+            ["temperature", "extra_body.model"],
+            "targets\\[2\\].allow_options: option 'extra_body.model' is pinned by the operator",
+        ),
+        ("targets.2.option_caps", {"max_tokens": -1}, "targets\\[2\\].option_caps.max_tokens"),
     ],
 )
 def test_bad_values_name_the_file_and_the_key(path, value, message):

@@ -38,7 +38,7 @@ async def serving() -> AsyncIterator[Ops]:
     node = Node(
         node_id="ops",
         adapters=[adapter],
-        targets=[TargetSpec("scripted", "m")],
+        targets=[TargetSpec("scripted", "m", allow_options={"k"})],
         store=MemoryStore(),
     )
     shutdown = trio.Event()

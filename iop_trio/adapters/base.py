@@ -82,6 +82,9 @@ class Adapter(abc.ABC):
 
     kind: ClassVar[str]
     settings_type: ClassVar[type[Any]] = NoSettings
+    #: The run options a caller may set on a target of this kind unless the target
+    #: says otherwise (``TargetSpec.allow_options``): sampling, not the engine's setup.
+    caller_options: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, name: str, *, capabilities: Capabilities | None = None) -> None:
         self.name = name

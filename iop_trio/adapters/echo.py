@@ -47,6 +47,7 @@ class EchoAdapter(Adapter):
     """Echo adapter. ``opened``/``closed`` count streams, so tests can see a close."""
 
     kind = "echo"
+    caller_options = frozenset({"delay", "fail_after", "fail_message", "repeat"})
     settings_type = EchoSettings
 
     def __init__(

@@ -83,6 +83,19 @@ OPTION_KEYS = frozenset(
 )
 #: Params that go to the top level of the request.
 TOP_LEVEL_KEYS = ("keep_alive", "format")
+#: What a caller may set by default: sampling and length, not the context size, the
+#: memory or the hardware (``num_ctx``, ``num_batch``, ``num_gpu``, ...), which are the
+#: operator's.
+CALLER_OPTIONS = OPTION_KEYS - {
+    "num_ctx",
+    "num_batch",
+    "num_gpu",
+    "main_gpu",
+    "use_mmap",
+    "num_thread",
+    "numa",
+    "num_keep",
+}
 
 
 def _count(obj: Mapping[str, Any], key: str) -> int | None:
@@ -103,6 +116,7 @@ class OllamaAdapter(HTTPAdapter):
     :class:`~iop_trio.adapters._http.HTTPAdapter`."""
 
     kind = "ollama"
+    caller_options = CALLER_OPTIONS
     settings_type = OllamaSettings
 
     def __init__(

@@ -135,6 +135,7 @@ class OpenAIAdapter(HTTPAdapter):
     :class:`~iop_trio.adapters._http.HTTPAdapter`."""
 
     kind = "openai"
+    caller_options = frozenset(PARAM_KEYS)
     settings_type = OpenAISettings
 
     def __init__(

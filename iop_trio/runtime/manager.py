@@ -311,6 +311,8 @@ class RunManager:
         if not health.writable:
             raise StoreUnavailable(f"the node's run store {health}; retry later")
         check_spec(spec)
+        # what the caller may set, capped; the run is stored with the options it runs with
+        spec = attrs.evolve(spec, options=target.caller_options(spec.options))
         if target.max_prompt_bytes is not None:
             size = prompt_bytes(spec)
             if size > target.max_prompt_bytes:

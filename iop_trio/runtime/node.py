@@ -14,6 +14,7 @@ The node knows nothing of transports: sessions call :attr:`Node.manager` and
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -36,6 +37,8 @@ from ..model import (
     check_limit,
     check_seconds,
     check_tenant_limits,
+    pinned_problem,
+    seconds_problem,
 )
 from ..store.base import RunStore
 from .gate import Gate
@@ -144,13 +147,28 @@ class Node:
         self.event_listeners: list[Callable[[RunEvent, RunRecord], None]] = []
 
     def _bounded(self, target: TargetSpec) -> TargetSpec:
-        """``target`` with the node's run bounds where it sets none of its own."""
+        """``target`` with the node's run bounds where it sets none of its own, and its
+        adapter's caller options if it names none; ValueError for an option it lets
+        callers set that is pinned, or a cap that is not a number > 0."""
         r = self.runtime
+        allow = target.allow_options
+        if allow is None:
+            allow = self._adapters[target.adapter].caller_options
+        for name in sorted(allow):
+            problem = pinned_problem(name)
+            if problem is not None:
+                raise ValueError(f"target {target.name!r}: allow_options: {problem}")
+        for name, cap in target.option_caps.items():
+            if seconds_problem(cap, positive=True) is not None or cap == math.inf:
+                raise ValueError(
+                    f"target {target.name!r}: option_caps.{name}: must be a number > 0, not {cap!r}"
+                )
         return attrs.evolve(
             target,
             max_prompt_bytes=_either(target.max_prompt_bytes, r.max_prompt_bytes),
             max_output_bytes=_either(target.max_output_bytes, r.max_output_bytes),
             max_run_time=_either(target.max_run_time, r.max_run_time),
+            allow_options=allow,
         )
 
     def __repr__(self) -> str:
