@@ -39,20 +39,44 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str, ensure_ascii=False)
 
 
+#: Control characters (line breaks included) as escapes, so that nothing a caller sends
+#: (a cancel reason, a run id) can start a line of its own in a text log.
+_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F, 0x85]} | {
+    0x2028: "\\u2028",
+    0x2029: "\\u2029",
+}
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with control characters and line separators written as escapes."""
+    return text.translate(_ESCAPES)
+
+
 class TextFormatter(logging.Formatter):
-    """``time level logger: message key=value ...``"""
+    """``time level logger: message key=value ...`` on one line.
+
+    Control characters in the message and the fields are escaped; a traceback
+    follows on lines of its own, each indented, so a record's own lines are the
+    only ones that start at the left margin.
+    """
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
 
-    def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = self._style.format(record)
+        head, sep, message = line.partition(": ")
+        line = f"{head}{sep}{escape_controls(message)}"
         extras = _extras(record)
         if extras:
-            tail = " ".join(f"{k}={v}" for k, v in extras.items())
-            first, sep, rest = line.partition("\n")
-            line = f"{first} {tail}{sep}{rest}"
+            line += " " + " ".join(f"{k}={escape_controls(str(v))}" for k, v in extras.items())
         return line
+
+    def formatException(self, ei: Any) -> str:
+        return "\n".join("    " + line for line in super().formatException(ei).splitlines())
+
+    def formatStack(self, stack_info: str) -> str:
+        return "\n".join("    " + line for line in stack_info.splitlines())
 
 
 def setup_logging(level: str = "info", fmt: str = "text", stream: TextIO | None = None) -> None:
