@@ -68,8 +68,8 @@ class StoreLock:
         return f"<StoreLock {self.path} {'held' if self._fd is not None else 'free'}>"
 
     def _try(self) -> bool:
-        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        Path(self.path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -116,7 +116,7 @@ def open_store(config: NodeConfig) -> RunStore:
         return MemoryStore()
     from .store.sqlite import SqliteStore
 
-    Path(config.store.path).parent.mkdir(parents=True, exist_ok=True)
+    Path(config.store.path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     return SqliteStore(config.store.path, synchronous=config.store.synchronous)
 
 

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import os
 import re
+import stat
+import types
+import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -215,10 +218,7 @@ class NodeConfig:
         """The token, read from ``token_file`` if that is how it is given."""
         if self.edge.token_file is None:
             return self.edge.token
-        try:
-            return Path(self.edge.token_file).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"{self.source}: edge.token_file: {exc}") from None
+        return read_secret_file(self.edge.token_file, f"{self.source}: edge.token_file")
 
     def build_adapters(self, registry: AdapterRegistry | None = None) -> list[AdapterSlot]:
         """The adapter instances, each with its configured limit."""
@@ -232,6 +232,22 @@ class NodeConfig:
 
     def target_specs(self) -> list[TargetSpec]:
         return [t.spec() for t in self.targets]
+
+
+def read_secret_file(path: str, what: str) -> str:
+    """The text of a file holding a secret, stripped; ConfigError (``what: ...``) if it
+    cannot be read or if its group or others may read it (as ssh refuses keys)."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            mode = os.fstat(file.fileno()).st_mode
+            if mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise ConfigError(
+                    f"{what}: {path} may be read by others (mode {stat.S_IMODE(mode):04o}); "
+                    f"make it private: chmod 600 {path}"
+                )
+            return file.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"{what}: {exc}") from None
 
 
 def _split_listen(listen: str) -> tuple[str, int]:
@@ -346,8 +362,28 @@ def _messages(exc: Exception, prefix: str = "") -> list[str]:
                 path = f"{path}.{field}" if path else field
                 message = rest
         path = ".".join(p for p in (prefix, path) if p)
+        message = _hide_secret(path, message)
         lines.append(f"{path}: {message}" if path else message)
     return lines
+
+
+#: The sections of node.yaml that are one attrs class each, for IOP_* overrides.
+_SECTIONS: dict[str, type[Any]] = {
+    "edge": EdgeConfig,
+    "store": StoreConfig,
+    "runtime": RuntimeConfig,
+    "metrics": MetricsConfig,
+    "logging": LoggingConfig,
+}
+
+#: Keys whose values are secrets: a message about one never shows its value.
+SECRET_KEYS = frozenset({"token", "api_key", "password", "secret", "headers"})
+
+
+def _hide_secret(path: str, message: str) -> str:
+    if path.rpartition(".")[2] in SECRET_KEYS or ".headers." in f".{path}.":
+        return re.sub(r"(, )?not .*$", r"\1not the value given (hidden: it is a secret)", message)
+    return message
 
 
 def structure_config(data: Any, *, source: str = "<config>") -> NodeConfig:
@@ -410,7 +446,9 @@ def apply_env(data: dict[str, Any], environ: Mapping[str, str], *, source: str) 
             raise ConfigError(f"{var}: empty path segment (use __ between levels)")
         if not _known_path(path, result):
             raise ConfigError(f"{var}: names no configuration key ({'.'.join(path)})")
-        value = yaml.safe_load(environ[var]) if environ[var] != "" else ""
+        raw = environ[var]
+        # a string key takes the text as it is (a token is not YAML); others parse as YAML
+        value = raw if _takes_text(path, result) or raw == "" else yaml.safe_load(raw)
         node: dict[str, Any] = result
         for part in path[:-1]:
             child = node.setdefault(part, {})
@@ -425,19 +463,43 @@ def apply_env(data: dict[str, Any], environ: Mapping[str, str], *, source: str) 
 _NOT_CONFIG = frozenset({"IOP_SMOKE", "IOP_CONFIG", "IOP_EDGE", "IOP_TOKEN"})
 
 
+def _field_type(cls: type[Any], key: str) -> Any:
+    try:
+        return typing.get_type_hints(cls).get(key)
+    except Exception:  # an annotation that does not resolve: no type known
+        return None
+
+
+def _takes_text(path: list[str], data: Mapping[str, Any]) -> bool:
+    """Whether the key at ``path`` is a string (or string-or-null) setting."""
+    if path == ["node_id"]:
+        return True
+    if len(path) == 2 and path[0] in _SECTIONS:
+        kind = _field_type(_SECTIONS[path[0]], path[1])
+    elif len(path) == 3 and path[0] == "adapters":
+        adapter = (data.get("adapters") or {}).get(path[1])
+        name = adapter.get("kind") if isinstance(adapter, Mapping) else None
+        registry = default_registry()
+        if not isinstance(name, str) or name not in registry:
+            return False
+        kind = _field_type(registry.settings_type(name), path[2])
+    else:
+        return False
+    if kind is str:
+        return True
+    args = typing.get_args(kind)
+    return typing.get_origin(kind) in (types.UnionType, typing.Union) and set(args) == {
+        str,
+        type(None),
+    }
+
+
 def _known_path(path: list[str], data: Mapping[str, Any]) -> bool:
     head = path[0]
     if len(path) == 1:
         return head in {"node_id"}
-    sections = {
-        "edge": EdgeConfig,
-        "store": StoreConfig,
-        "runtime": RuntimeConfig,
-        "metrics": MetricsConfig,
-        "logging": LoggingConfig,
-    }
-    if head in sections:
-        return len(path) == 2 and path[1] in attrs.fields_dict(sections[head])
+    if head in _SECTIONS:
+        return len(path) == 2 and path[1] in attrs.fields_dict(_SECTIONS[head])
     if head == "adapters":
         # adapters.<name>.<key>: the name must exist; the key is checked against its kind later
         return len(path) == 3 and path[1] in (data.get("adapters") or {})

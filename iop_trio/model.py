@@ -347,6 +347,12 @@ class TenantLimits:
     concurrency: int | None = None
 
 
+def redact_url(url: str) -> str:
+    """``url`` with any user name and password in it replaced by ``***`` (for messages,
+    logs and stored errors)."""
+    return re.sub(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@", r"\1***@", url)
+
+
 #: A tenant's name: what a config key, a store column and a metric label can hold.
 TENANT_NAME = re.compile(r"[A-Za-z0-9_.:@-]{0,128}")
 

@@ -126,6 +126,15 @@ def test_runs_list_show_and_offline_cancel(tmp_path, capsys):
     assert "no run 'nope'" in capsys.readouterr().err
 
 
+def test_the_store_folder_the_cli_makes_is_private(tmp_path):
+    path = write_config(tmp_path)
+    code, _ = run_cli("runs", "list", "--config", str(path))
+    assert code == 0
+    folder = tmp_path / "var"
+    assert oct(folder.stat().st_mode & 0o777) == oct(0o700)
+    assert oct((folder / "node.db").stat().st_mode & 0o777) == oct(0o600)
+
+
 def test_one_node_per_store(tmp_path):
     db = str(tmp_path / "node.db")
     first = StoreLock(db)
@@ -134,6 +143,7 @@ def test_one_node_per_store(tmp_path):
     second = StoreLock(db)
     with pytest.raises(CliError, match="another node is using this store"):
         second.acquire()
+    assert oct(Path(first.path).stat().st_mode & 0o777) == oct(0o600)  # the lock is private
     first.release()
     assert not StoreLock(db).held_elsewhere()
 

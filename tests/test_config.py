@@ -76,9 +76,13 @@ def test_environment_overrides_reach_nested_keys():
 def test_token_file(tmp_path):
     token = tmp_path / "token"
     token.write_text("s3cret\n")
+    token.chmod(0o600)
     data = example()
     data["edge"] = {"url": "ws://127.0.0.1:1/node", "token_file": str(token)}
     assert check(data).edge_token() == "s3cret"
+    token.chmod(0o640)  # readable by the group: refused, as ssh refuses such a key
+    with pytest.raises(ConfigError, match=r"may be read by others \(mode 0640\); .*chmod 600"):
+        check(data).edge_token()
     data["edge"]["token_file"] = str(tmp_path / "missing")
     with pytest.raises(ConfigError, match=r"node.yaml: edge.token_file: .*No such file"):
         check(data).edge_token()
@@ -182,3 +186,33 @@ def test_a_minimal_config_gets_defaults(tmp_path):
     config = load_config(path, environ={})
     assert (config.edge.url, config.store.kind, config.runtime.max_queued) == ("", "sqlite", 1000)
     assert config.target_specs()[0].concurrency == 1
+
+
+@pytest.mark.parametrize("token", ["987654321", "@abc", "*abc", "~", "null", "abc #x", "'q'"])
+def test_string_overrides_are_taken_as_they_are(token):
+    data = copy.deepcopy(example())
+    config = check(data, {"IOP_EDGE__TOKEN": token, "IOP_ADAPTERS__VLLM__API_KEY": token})
+    assert config.edge_token() == token
+    assert config.adapters["vllm"].settings["api_key"] == token
+    # other keys still read YAML: numbers stay numbers
+    assert check(data, {"IOP_RUNTIME__CONCURRENCY": "16"}).runtime.concurrency == 16
+
+
+def test_a_secret_is_never_shown_in_a_message():
+    data = copy.deepcopy(example())
+    data["edge"]["token"] = 987654321  # in the file: a number, not a string
+    with pytest.raises(ConfigError) as bad:
+        check(data)
+    assert "edge.token: must be a string" in str(bad.value)
+    assert "987654321" not in str(bad.value)
+    data = copy.deepcopy(example())
+    data["adapters"]["vllm"]["api_key"] = ["sk-live-123"]
+    with pytest.raises(ConfigError) as bad_key:
+        check(data)
+    assert "adapters.vllm.api_key" in str(bad_key.value)
+    assert "sk-live-123" not in str(bad_key.value)
+    data = copy.deepcopy(example())
+    data["adapters"]["vllm"]["base_url"] = "ftp://admin:hunter2@engine"
+    with pytest.raises(ConfigError) as bad_url:
+        check(data)
+    assert "hunter2" not in str(bad_url.value) and "ftp://***@engine" in str(bad_url.value)

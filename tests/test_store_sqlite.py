@@ -28,6 +28,7 @@ from iop_trio.store import RunStore, StoreError
 from iop_trio.store.memory import MemoryStore
 from iop_trio.store.sqlite import SCHEMA_VERSION, SqliteStore
 
+from .support import logged
 from .test_store_contract import created, finished, new_run, running, seqs
 
 LIMIT = 20  # seconds; a generous bound for anything that waits on the writer thread
@@ -677,3 +678,29 @@ async def test_many_events_in_one_job_are_one_commit(store):
     await store.append_many([s.transition(RunStatus.CANCELLED, time=9.0) for s in states])
     assert store.statistics().commits == before + 1
     assert {r.status for r in await store.list_runs(limit=100)} == {RunStatus.CANCELLED}
+
+
+async def test_the_store_is_private_to_its_owner(tmp_path):
+    path = tmp_path / "node.db"
+    store = SqliteStore(path)
+    try:
+        await created(store, "r1")
+    finally:
+        await store.aclose()
+    made = [p for p in path.parent.iterdir() if p.name.startswith("node.db")]
+    assert path in made
+    for file in made:  # the database and any WAL / shared-memory file SQLite made
+        assert oct(file.stat().st_mode & 0o777) == oct(0o600), file
+
+
+async def test_a_store_others_may_read_is_used_with_a_warning(tmp_path):
+    path = tmp_path / "node.db"
+    path.touch(mode=0o644)
+    path.chmod(0o644)
+    with logged("iop_trio.store.sqlite") as records:
+        store = SqliteStore(path)
+        try:
+            await created(store, "r1")
+        finally:
+            await store.aclose()
+    assert any("may be read by others (mode 0644)" in r.getMessage() for r in records)

@@ -37,7 +37,7 @@ import attrs
 import httpx
 import trio
 
-from ..model import Capabilities, field_check, seconds_problem
+from ..model import Capabilities, field_check, redact_url, seconds_problem
 from .base import Adapter, AdapterError, AdapterRequest, Chunk
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -326,7 +326,8 @@ def _url_problem(value: object) -> str | None:
     except httpx.InvalidURL:
         url = None
     if url is None or url.scheme not in ("http", "https") or not url.host:
-        return f"must be an http(s) URL, not {value!r}"
+        shown = redact_url(value) if isinstance(value, str) else value
+        return f"must be an http(s) URL, not {shown!r}"
     return None
 
 
@@ -479,7 +480,7 @@ class HTTPAdapter(Adapter):
     def __repr__(self) -> str:
         cap = self.capabilities.max_concurrency
         return (
-            f"<{type(self).__name__} {self.name!r} base_url={self.base_url!r} "
+            f"<{type(self).__name__} {self.name!r} base_url={redact_url(self.base_url)!r} "
             f"max_concurrency={cap}>"
         )
 
@@ -509,7 +510,7 @@ class HTTPAdapter(Adapter):
 
     def where(self, url: str, model: str) -> str:
         """How messages name an engine endpoint and model."""
-        return f"{self.kind} engine at {url} (model {model!r})"
+        return f"{self.kind} engine at {redact_url(url)} (model {model!r})"
 
     def request_headers(self) -> dict[str, str]:
         """Headers of every request (subclasses add e.g. Authorization)."""

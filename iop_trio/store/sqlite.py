@@ -73,6 +73,7 @@ import json
 import logging
 import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -707,6 +708,7 @@ class SqliteStore(RunStore):
                 self._conn.close()
 
     def _open_writer(self) -> sqlite3.Connection:
+        _create_private(self.path)
         conn = sqlite3.connect(
             self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=True
         )
@@ -977,6 +979,29 @@ class SqliteStore(RunStore):
 
 
 # --- schema and rows -------------------------------------------------------------------------
+
+
+def _create_private(path: str) -> None:
+    """Create the database file 0600 (SQLite gives its WAL and shared-memory files the
+    same mode): every prompt and output is in it. An existing file that others may read
+    is left as it is, with a warning. A missing folder is left to SQLite to report (the
+    CLI makes the store's folder, 0700)."""
+    if path == ":memory:" or path.startswith("file:"):
+        return
+    if not os.path.isdir(os.path.dirname(path) or "."):
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+    if mode & 0o077:
+        log.warning(
+            "run store %s may be read by others (mode %04o): it holds every prompt and "
+            "output; chmod 600 it",
+            path,
+            mode,
+        )
 
 
 def _check_or_create_schema(conn: sqlite3.Connection) -> None:
