@@ -187,7 +187,12 @@ async def serve(
             # the ops endpoints outlive the rest, so /healthz says "draining" during a drain
             if config.metrics.address is not None:
                 host, port = config.metrics.address
-                app = OpsApp(node, metrics)
+                app = OpsApp(
+                    node,
+                    metrics,
+                    token=config.ops_token(),
+                    open_metrics=config.metrics.open_metrics,
+                )
                 bound = await ops.start(partial(serve_ops, app, host, port, shutdown=ops_stop))
                 log.info("metrics on http://%s:%d/metrics", host, bound)
                 if lock is not None:
@@ -373,11 +378,18 @@ async def _cancel_via_node(config: NodeConfig, ns: argparse.Namespace, out: Text
     url = f"{notes[0]}/runs/{ns.run_id}/cancel"
     try:
         async with httpx.AsyncClient(timeout=30) as client:
-            response = await client.post(url, params={"reason": ns.reason})
+            token = config.ops_token()
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            response = await client.post(url, params={"reason": ns.reason}, headers=headers)
     except httpx.HTTPError as exc:
         raise CliError(f"cannot reach the running node at {url}: {exc}") from None
     if response.status_code == 404:
         raise CliError(f"the node has no run {ns.run_id!r}")
+    if response.status_code == 401:
+        raise CliError(
+            "the node's ops port refused the request: the node and this command need the "
+            "same metrics.token (or token_file) in the config"
+        )
     if response.status_code != 200:
         raise CliError(f"the node answered {response.status_code}: {response.text.strip()}")
     data = response.json()

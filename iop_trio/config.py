@@ -14,6 +14,7 @@ Targets are a list and are not overridable from the environment.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import stat
@@ -167,13 +168,25 @@ class TargetConfig:
 
 @attrs.frozen
 class MetricsConfig:
-    """``listen`` is host:port for /metrics and /healthz; empty turns them off."""
+    """``listen`` is host:port for the ops port (/metrics, /healthz, /runs); empty turns it
+    off. The /runs routes need ``token`` (or ``token_file``); ``open_metrics`` false
+    makes /metrics and /healthz need it too. A listener not on loopback needs a token."""
 
     listen: str = "127.0.0.1:9464"
+    token: str | None = None
+    token_file: str | None = None
+    open_metrics: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.listen:
-            _split_listen(self.listen)
+            host, _ = _split_listen(self.listen)
+            if self.token is None and self.token_file is None and not _loopback(host):
+                raise ValueError(
+                    f"listen: {self.listen} is not a loopback address; the ops port shows "
+                    "prompts and cancels runs, so set token or token_file to serve it there"
+                )
+        if self.token is not None and self.token_file is not None:
+            raise ValueError("token, token_file: give one of them, not both")
 
     @property
     def address(self) -> tuple[str, int] | None:
@@ -220,6 +233,12 @@ class NodeConfig:
             return self.edge.token
         return read_secret_file(self.edge.token_file, f"{self.source}: edge.token_file")
 
+    def ops_token(self) -> str | None:
+        """The ops port's token, read from ``metrics.token_file`` if that is how it is given."""
+        if self.metrics.token_file is None:
+            return self.metrics.token
+        return read_secret_file(self.metrics.token_file, f"{self.source}: metrics.token_file")
+
     def build_adapters(self, registry: AdapterRegistry | None = None) -> list[AdapterSlot]:
         """The adapter instances, each with its configured limit."""
         registry = registry or default_registry()
@@ -232,6 +251,15 @@ class NodeConfig:
 
     def target_specs(self) -> list[TargetSpec]:
         return [t.spec() for t in self.targets]
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def read_secret_file(path: str, what: str) -> str:

@@ -13,9 +13,13 @@ Routes (served on ``metrics.listen``):
 
 A path no route matches gets 404; a known path asked with another method 405
 with ``Allow``; ``HEAD`` is answered like ``GET``, without the body. The run
-routes answer 503 while the node is not running. These are for the machine
-the node runs on (``iop-node runs cancel`` uses them): the listener binds to
-loopback unless configured otherwise, and has no authentication of its own.
+routes answer 503 while the node is not running.
+
+The run routes show prompts and cancel runs, so they need the ops token
+(``Authorization: Bearer <metrics.token>``; 401 otherwise, and always 401 with
+no token configured). ``/metrics`` and ``/healthz`` are open unless
+``open_metrics`` is false. The CLI refuses to serve the port on an address
+that is not loopback without a token.
 
 :func:`serve_ops` runs the app until its ``shutdown`` event is set (then
 closes idle connections and gives requests in progress
@@ -24,6 +28,7 @@ closes idle connections and gives requests in progress
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
@@ -78,8 +83,10 @@ async def respond(
     await send({"type": "http.response.body", "body": body})
 
 
-async def respond_json(send: Send, data: Any, status: int = 200) -> None:
-    await respond(send, status, json.dumps(data, default=str).encode(), "application/json")
+async def respond_json(
+    send: Send, data: Any, status: int = 200, headers: Mapping[str, str] | None = None
+) -> None:
+    await respond(send, status, json.dumps(data, default=str).encode(), "application/json", headers)
 
 
 async def respond_text(send: Send, text: str, status: int = 200) -> None:
@@ -108,9 +115,19 @@ class OpsApp:
     fixed part (the run id).
     """
 
-    def __init__(self, node: Node, metrics: NodeMetrics) -> None:
+    def __init__(
+        self,
+        node: Node,
+        metrics: NodeMetrics,
+        *,
+        token: str | None = None,
+        open_metrics: bool = True,
+    ) -> None:
         self.node = node
         self.metrics = metrics
+        self._token = token.encode() if token else None
+        self.open_metrics = open_metrics
+        self._told_no_token = False
         self._exposition = make_asgi_app(metrics.exposition())
         # path segments ("*" = any one segment, passed to the handler) -> method -> handler
         self._routes: dict[tuple[str, ...], dict[str, Handler]] = {
@@ -152,7 +169,40 @@ class OpsApp:
                 send, 405, f"{method} not allowed\n".encode(), "text/plain", {"Allow": allow}
             )
             return
+        if (path.strip("/").split("/")[0] == "runs" or not self.open_metrics) and not (
+            await self._authorized(scope, send)
+        ):
+            return
         await handler(scope, receive, send, args)
+
+    async def _authorized(self, scope: Scope, send: Send) -> bool:
+        """Whether the request bears the ops token; if not, answer 401 (and False).
+
+        Only a request with an ``Authorization: Bearer`` header can pass, so no page a
+        browser shows can make one (a form posts no such header).
+        """
+        if self._token is None:
+            if not self._told_no_token:
+                self._told_no_token = True
+                log.warning(
+                    "ops: a /runs request was refused: the run routes need a token; set "
+                    "metrics.token (or metrics.token_file) in the node's config"
+                )
+            await respond_json(
+                send,
+                {"error": "the run routes need a token: set metrics.token in the node's config"},
+                401,
+                {"WWW-Authenticate": "Bearer"},
+            )
+            return False
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, credential = given.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(credential.strip(), self._token):
+            return True
+        await respond_json(
+            send, {"error": "a wrong or missing ops token"}, 401, {"WWW-Authenticate": "Bearer"}
+        )
+        return False
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send, _: list[str]) -> None:
         await self._exposition(scope, receive, send)

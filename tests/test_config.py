@@ -137,6 +137,11 @@ def mutate(path: str, value: Any) -> dict[str, Any]:
             "targets\\[2\\].allow_options: option 'extra_body.model' is pinned by the operator",
         ),
         ("targets.2.option_caps", {"max_tokens": -1}, "targets\\[2\\].option_caps.max_tokens"),
+        (
+            "metrics.listen",
+            "0.0.0.0:9464",
+            "metrics.listen: 0.0.0.0:9464 is not a loopback address; the ops port shows",
+        ),
     ],
 )
 def test_bad_values_name_the_file_and_the_key(path, value, message):
@@ -216,3 +221,16 @@ def test_a_secret_is_never_shown_in_a_message():
     with pytest.raises(ConfigError) as bad_url:
         check(data)
     assert "hunter2" not in str(bad_url.value) and "ftp://***@engine" in str(bad_url.value)
+
+
+def test_the_ops_port_off_loopback_needs_a_token(tmp_path):
+    data = copy.deepcopy(example())
+    data["metrics"] = {"listen": "0.0.0.0:9464", "token": "t0k"}
+    assert check(data).ops_token() == "t0k"
+    token = tmp_path / "ops-token"
+    token.write_text("from-file\n")
+    token.chmod(0o600)
+    data["metrics"] = {"listen": "[::1]:9464", "token_file": str(token)}
+    assert check(data).ops_token() == "from-file"
+    data["metrics"] = {"listen": "127.0.0.1:9464"}
+    assert check(data).ops_token() is None  # loopback: the run routes then answer 401

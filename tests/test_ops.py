@@ -16,7 +16,7 @@ from iop_trio.ops import OpsApp, serve_ops
 from iop_trio.runtime import Node, RunSpec, RunStatus, TargetSpec
 from iop_trio.store.memory import MemoryStore
 
-from .support import ScriptedAdapter
+from .support import ScriptedAdapter, logged
 
 WAIT = 10.0
 TARGET = "scripted/m"
@@ -31,9 +31,15 @@ class Ops:
     shutdown: trio.Event
 
 
+OPS_TOKEN = "ops-s3cret"
+
+
 @asynccontextmanager
-async def serving() -> AsyncIterator[Ops]:
-    """A node (not started) with one scripted target, and its ops app served."""
+async def serving(
+    *, token: str | None = OPS_TOKEN, send_token: str | None = OPS_TOKEN, open_metrics: bool = True
+) -> AsyncIterator[Ops]:
+    """A node (not started) with one scripted target, and its ops app served (with
+    ``token``); the client sends ``send_token``."""
     adapter = ScriptedAdapter()
     node = Node(
         node_id="ops",
@@ -44,9 +50,12 @@ async def serving() -> AsyncIterator[Ops]:
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
         with trio.fail_after(WAIT):
-            app = OpsApp(node, NodeMetrics(node))
+            app = OpsApp(node, NodeMetrics(node), token=token, open_metrics=open_metrics)
             port = await nursery.start(partial(serve_ops, app, "127.0.0.1", 0, shutdown=shutdown))
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=WAIT) as client:
+        headers = {"Authorization": f"Bearer {send_token}"} if send_token else {}
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}", timeout=WAIT, headers=headers
+        ) as client:
             yield Ops(node, adapter, client, port, shutdown)
         nursery.cancel_scope.cancel()
 
@@ -146,3 +155,44 @@ async def test_a_taken_port_is_an_os_error():
         app = OpsApp(ops.node, NodeMetrics(ops.node))
         with pytest.raises(OSError, match="in use"):
             await nursery.start(serve_ops, app, "127.0.0.1", ops.port)
+
+
+async def test_the_run_routes_need_the_ops_token():
+    async with serving(send_token=None) as ops, ops.node.running():
+        run = (await ops.node.manager.submit(RunSpec(TARGET, "secret prompt"))).record
+        for response in (
+            await ops.client.get(f"/runs/{run.run_id}"),
+            # what a page in a browser could send: a form post, no Authorization header
+            await ops.client.post(
+                f"/runs/{run.run_id}/cancel",
+                content=b"reason=x",
+                headers={"Content-Type": "application/x-www-form-urlencoded"},
+            ),
+            await ops.client.get(f"/runs/{run.run_id}", headers={"Authorization": "Bearer wrong"}),
+        ):
+            assert response.status_code == 401
+            assert response.headers["www-authenticate"] == "Bearer"
+            assert "secret prompt" not in response.text
+        assert (await ops.node.manager.get(run.run_id)).status is not RunStatus.CANCELLED  # type: ignore[union-attr]
+        # /metrics and /healthz stay open
+        assert (await ops.client.get("/healthz")).status_code == 200
+        assert (await ops.client.get("/metrics")).status_code == 200
+
+
+async def test_with_no_token_configured_the_run_routes_say_how_to_set_one():
+    with logged("iop_trio.ops") as records:
+        async with serving(token=None) as ops, ops.node.running():
+            refused = await ops.client.get("/runs/anything")
+            assert refused.status_code == 401
+            assert "metrics.token" in refused.json()["error"]
+            await ops.client.get("/runs/anything")
+    told = [r.getMessage() for r in records if "metrics.token" in r.getMessage()]
+    assert len(told) == 1  # said once, not per request
+
+
+async def test_metrics_can_need_the_token_too():
+    async with serving(send_token=None, open_metrics=False) as ops:
+        assert (await ops.client.get("/metrics")).status_code == 401
+        assert (await ops.client.get("/healthz")).status_code == 401
+    async with serving(open_metrics=False) as ops:
+        assert (await ops.client.get("/metrics")).status_code == 200

@@ -17,6 +17,7 @@ from iop_trio.runtime import EventKind, RunSpec, RunStatus
 from iop_trio.store.sqlite import SqliteStore
 
 TOKEN = "serve-token"
+OPS_TOKEN = "ops-token"
 
 
 def config_text(db: Path, edge_url: str) -> str:
@@ -30,7 +31,7 @@ adapters:
 targets:
   - {{adapter: echo, model: quick, concurrency: 2}}
   - {{adapter: echo, model: slow, concurrency: 2, params: {{delay: 60}}}}
-metrics: {{listen: "127.0.0.1:0"}}
+metrics: {{listen: "127.0.0.1:0", token: {OPS_TOKEN}}}
 logging: {{level: info, format: json}}
 """
 
@@ -81,7 +82,8 @@ async def test_serve_links_exposes_metrics_cancels_and_drains_on_sigterm(tmp_pat
                 while (await victim.__anext__()).kind is not EventKind.STARTED:
                     pass
 
-            async with httpx.AsyncClient(base_url=base, timeout=10) as http:
+            ops_auth = {"Authorization": f"Bearer {OPS_TOKEN}"}
+            async with httpx.AsyncClient(base_url=base, timeout=10, headers=ops_auth) as http:
                 health = await http.get("/healthz")
                 assert (health.status_code, health.text.strip()) == (200, "ok")
                 scraped = (await http.get("/metrics")).text
