@@ -584,6 +584,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("prompt")
 
+    sub.add_parser(
+        "hash-token",
+        help="read a token on stdin, print the sha256:... an edge's identities file keeps",
+    )
+
     p = sub.add_parser("demo", help="edge + node + echo targets on loopback (make run)")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--once", action="store_true", help="exit after the demo run")
@@ -601,6 +606,14 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         if ns.command == "submit":
             setup_logging("warning")
             return trio.run(submit, ns, out, err)
+        if ns.command == "hash-token":
+            from .edge.identities import token_digest
+
+            token = sys.stdin.readline().strip()
+            if not token:
+                raise CliError("no token on stdin", code=2)
+            out.write(token_digest(token) + "\n")
+            return 0
         config = load_config(ns.config)
         if ns.command == "check-config":
             return check_config(config, out)

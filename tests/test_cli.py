@@ -222,3 +222,14 @@ async def test_demo_once_runs_end_to_end():
     assert result.returncode == 0, result.stderr
     assert "demo run: hello from the iop-trio demo  [succeeded]" in out
     assert "submit --edge ws://127.0.0.1:" in out
+
+
+def test_hash_token_prints_what_an_identities_file_keeps(monkeypatch):
+    from iop_trio.edge.identities import Identities
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("my-long-random-token\n"))
+    code, out = run_cli("hash-token")
+    assert code == 0
+    found = Identities.from_data({"callers": {"me": {"token_sha256": out.strip()}}})
+    caller = found.caller("my-long-random-token")
+    assert caller is not None and caller.name == "me"

@@ -370,6 +370,18 @@ async def test_list_runs_by_tenant_and_the_default_tenant(store):
     assert a is not None and (a.tenant, a.priority) == ("acme", 5)
 
 
+async def test_list_runs_by_run_id_prefix(store):
+    for run_id in ("alice:1", "alice:2", "alicia:1", "bob:1", "a%b:1"):
+        await created(store, run_id)
+    assert [r.run_id for r in await store.list_runs(run_id_prefix="alice:")] == [
+        "alice:2",
+        "alice:1",
+    ]
+    assert [r.run_id for r in await store.list_runs(run_id_prefix="a%")] == ["a%b:1"]
+    assert len(await store.list_runs(run_id_prefix="")) == 5
+    assert await store.list_runs(run_id_prefix="carol:") == []
+
+
 async def test_a_rejection_keeps_its_retry_hint(store):
     state = await created(store, "r1", tenant="t")
     event = state.transition(RunStatus.REJECTED, time=105.0, reason="queue_full", retry_after=2.5)

@@ -17,6 +17,7 @@ does the same routing for code running next to the edge.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
@@ -27,7 +28,7 @@ from trio_websocket import WebSocketConnection
 from ..model import InvalidRequest, RunSpec, tenant_problem
 from ..protocol import Request, Role, pb
 from ..transport.caller import ACK_TIMEOUT, RunnerClient, RunStream
-from ..transport.server import serve_proto
+from ..transport.server import serve_proto, shared_token
 from ..transport.session import (
     ProtoSession,
     RemoteError,
@@ -35,6 +36,7 @@ from ..transport.session import (
     SessionClosed,
     SessionSettings,
 )
+from .identities import Caller, Identities, NodeIdentity
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,10 @@ class NoNode(LookupError):
 
 class NodeGone(NoNode):
     """The target was served by a node that is not connected now (retry later)."""
+
+
+class Forbidden(Exception):
+    """The caller may not do that (a target, a priority)."""
 
 
 class NodeHandle(RunnerClient):
@@ -84,8 +90,13 @@ class Edge:
     the edge makes or relays (a client then gets UNAVAILABLE).
 
     ``client_tenant`` is the tenant of every run a client asks for: the edge
-    sets it, whatever the client sent (until clients have identities of their
-    own, every holder of the token is this one tenant).
+    sets it, whatever the client sent.
+
+    With ``identities`` (:mod:`iop_trio.edge.identities`) every caller and
+    every node has a token of its own, and ``token`` is not used: a node's
+    token is good for its own node id only, and a caller's runs are its own
+    (its tenant, its targets, its highest priority; it sees, follows and
+    cancels only its runs, whose ids start with ``<caller>:``).
     """
 
     def __init__(
@@ -96,11 +107,14 @@ class Edge:
         settings: SessionSettings | None = None,
         ack_timeout: float | None = ACK_TIMEOUT,
         client_tenant: str = "",
+        identities: Identities | None = None,
     ) -> None:
         problem = tenant_problem(client_tenant)
         if problem is not None:
             raise ValueError(problem)
         self.token = token
+        self.identities = identities
+        self._shared = shared_token(token)
         self.client_tenant = client_tenant
         self.edge_id = edge_id
         self.settings = settings or SessionSettings()
@@ -146,7 +160,7 @@ class Edge:
                     {"/node": self._on_node, "/client": self._on_client},
                     host,
                     port,
-                    token=self.token,
+                    authorize=self._authorize,
                     max_message_size=self.settings.max_message_size,
                     task_status=task_status,
                 )
@@ -154,11 +168,26 @@ class Edge:
             log.info("edge %s listening on %s", self.edge_id, self.url)
             task_status.started(self.port)
 
+    def _authorize(self, path: str, token: str | None) -> object | None:
+        """Who a connection to ``path`` with ``token`` is (None: refused)."""
+        if self.identities is None:
+            return bool(self._shared(path, token)) or None
+        if token is None:
+            return None
+        if path == "/node":
+            return self.identities.node(token)
+        return self.identities.caller(token)
+
     # --- nodes ---------------------------------------------------------------------------
 
-    async def _on_node(self, ws: WebSocketConnection) -> None:
+    async def _on_node(self, ws: WebSocketConnection, who: object) -> None:
+        node = who if isinstance(who, NodeIdentity) else None
+
+        async def on_request(session: ProtoSession, request: Request) -> None:
+            await self._on_node_request(session, request, node)
+
         session = ProtoSession(
-            ws, Role.EDGE, handler=self._on_node_request, settings=self.settings, name="node?"
+            ws, Role.EDGE, handler=on_request, settings=self.settings, name="node?"
         )
         try:
             reason = await session.run()
@@ -170,11 +199,26 @@ class Edge:
                     log.info("edge: node %s left (%s)", node_id, session.close_reason)
         log.debug("edge: node session %s ended: %s", session.name, reason)
 
-    async def _on_node_request(self, session: ProtoSession, request: Request) -> None:
+    async def _on_node_request(
+        self, session: ProtoSession, request: Request, node: NodeIdentity | None
+    ) -> None:
         hello = request.message
         assert isinstance(hello, pb.Hello)
         if not hello.node_id:
             await session.error(request.nonce, pb.ERROR_CODE_INVALID, "hello without a node_id")
+            return
+        if node is not None and hello.node_id != node.node_id:
+            log.warning(
+                "edge: refused a node saying it is %r with the token of node %r",
+                hello.node_id,
+                node.node_id,
+            )
+            await session.error(
+                request.nonce,
+                pb.ERROR_CODE_FORBIDDEN,
+                f"this token is for node {node.node_id!r}, not {hello.node_id!r}",
+            )
+            await session.aclose(1008, "wrong node id for this token")
             return
         old = self.nodes.get(hello.node_id)
         if old is not None and old.session is not session:
@@ -294,9 +338,18 @@ class Edge:
 
     # --- clients -------------------------------------------------------------------------
 
-    async def _on_client(self, ws: WebSocketConnection) -> None:
+    async def _on_client(self, ws: WebSocketConnection, who: object) -> None:
+        caller = who if isinstance(who, Caller) else None
+
+        async def handle(session: ProtoSession, request: Request) -> None:
+            await self._on_client_request(session, request, caller)
+
         session = ProtoSession(
-            ws, Role.RUNNER, handler=self._on_client_request, settings=self.settings, name="client"
+            ws,
+            Role.RUNNER,
+            handler=handle,
+            settings=self.settings,
+            name=f"client:{caller.name}" if caller else "client",
         )
         self.clients[session.key] = session
         self._notify()
@@ -307,17 +360,23 @@ class Edge:
             self._notify()
         log.debug("edge: client session %s ended: %s", session.key, reason)
 
-    async def _on_client_request(self, session: ProtoSession, request: Request) -> None:
+    async def _on_client_request(
+        self, session: ProtoSession, request: Request, caller: Caller | None
+    ) -> None:
         try:
             if request.kind == "run_request":
-                await self._relay_run(session, request)
+                await self._relay_run(session, request, caller)
             elif request.kind in ("cancel_run", "get_run"):
                 run_id = request.message.run_id  # type: ignore[attr-defined]
+                if caller is not None and not run_id.startswith(caller.run_prefix):
+                    raise NoNode(f"no run {run_id!r}")  # another's run is no run to this one
                 handle = await self.owner_of(run_id)
                 async with handle._stream(request.kind, request.message) as replies:
                     async for reply in replies:
                         await session.reply(request.nonce, _kind_of(reply), reply)
             elif request.kind == "list_runs":
+                if caller is not None:
+                    request.message.run_id_prefix = caller.run_prefix  # type: ignore[attr-defined]
                 await self._relay_list(session, request)
             else:
                 await session.error(
@@ -338,6 +397,8 @@ class Edge:
             await session.error(request.nonce, code, str(exc))
         except InvalidRequest as exc:
             await session.error(request.nonce, pb.ERROR_CODE_INVALID, str(exc))
+        except Forbidden as exc:
+            await session.error(request.nonce, pb.ERROR_CODE_FORBIDDEN, str(exc))
         except RemoteError as exc:
             await session.error(request.nonce, exc.code, exc.message, retry_after=exc.retry_after)
         except (SessionClosed, ReplyTimeout) as exc:
@@ -349,13 +410,21 @@ class Edge:
                     retry_after=NODE_RETRY_AFTER,
                 )
 
-    async def _relay_run(self, session: ProtoSession, request: Request) -> None:
+    async def _relay_run(
+        self, session: ProtoSession, request: Request, caller: Caller | None
+    ) -> None:
         message = request.message
         assert isinstance(message, pb.RunRequest)
         if not message.target:
             raise InvalidRequest("run request without a target")
-        message.tenant = self.client_tenant  # who asks is the edge's to say, not the caller's
+        # who asks is the edge's to say, not the caller's
+        message.tenant = self.client_tenant
+        if caller is not None:
+            self._admit(caller, message)
         handle = self.route(message.target)
+        owner = self._run_owner.get(message.run_id) if message.run_id else None
+        if owner is not None and owner != handle.node_id and owner in self.nodes:
+            raise InvalidRequest(f"run id {message.run_id!r} names a run on another node already")
         handle.in_flight += 1
         run_id = ""
         finished = False
@@ -373,6 +442,22 @@ class Edge:
                 # the client went away (or the relay broke): its foreground run goes too
                 with trio.move_on_after(5, shield=True), suppress(RemoteError, SessionClosed):
                     await handle.cancel(run_id, "client_lost")
+
+    @staticmethod
+    def _admit(caller: Caller, message: pb.RunRequest) -> None:
+        """Make ``message`` the caller's, or Forbidden if it asks for what it may not."""
+        if not caller.may_use(message.target):
+            raise Forbidden(f"caller {caller.name!r} may not use target {message.target!r}")
+        if message.priority > caller.max_priority:
+            raise Forbidden(
+                f"caller {caller.name!r} may ask for priority {caller.max_priority} at most, "
+                f"not {message.priority}"
+            )
+        message.tenant = caller.tenant
+        run_id = caller.run_prefix + (message.run_id or uuid.uuid4().hex)
+        if len(run_id) > 128:
+            raise InvalidRequest(f"run_id too long with the caller's prefix: {run_id!r}")
+        message.run_id = run_id
 
     async def _relay_list(self, session: ProtoSession, request: Request) -> None:
         message = request.message

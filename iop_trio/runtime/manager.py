@@ -745,11 +745,16 @@ class RunManager:
         statuses: Collection[RunStatus] = (),
         target: str = "",
         tenant: str | None = None,
+        run_id_prefix: str = "",
         limit: int = 100,
     ) -> list[RunRecord]:
         """See :meth:`RunStore.list_runs`."""
         return await self._store.list_runs(
-            statuses=statuses, target=target, tenant=tenant, limit=limit
+            statuses=statuses,
+            target=target,
+            tenant=tenant,
+            run_id_prefix=run_id_prefix,
+            limit=limit,
         )
 
     async def events(

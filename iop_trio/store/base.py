@@ -112,10 +112,11 @@ class RunStore(abc.ABC):
         statuses: Collection[RunStatus] = (),
         target: str = "",
         tenant: str | None = None,
+        run_id_prefix: str = "",
         limit: int = 100,
     ) -> list[RunRecord]:
-        """Runs, newest (last created) first; empty ``statuses`` / ``target`` and a
-        ``tenant`` of None match any ("" is the default tenant).
+        """Runs, newest (last created) first; empty ``statuses`` / ``target`` /
+        ``run_id_prefix`` and a ``tenant`` of None match any ("" is the default tenant).
 
         At most ``limit`` runs; none for ``limit`` <= 0.
         """

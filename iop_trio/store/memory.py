@@ -66,6 +66,7 @@ class MemoryStore(RunStore):
         statuses: Collection[RunStatus] = (),
         target: str = "",
         tenant: str | None = None,
+        run_id_prefix: str = "",
         limit: int = 100,
     ) -> list[RunRecord]:
         await trio.lowlevel.checkpoint()
@@ -76,6 +77,7 @@ class MemoryStore(RunStore):
             if (not wanted or r.status in wanted)
             and (not target or r.target == target)
             and (tenant is None or r.tenant == tenant)
+            and r.run_id.startswith(run_id_prefix)
         ]
         return found[: max(limit, 0)]
 

@@ -522,10 +522,11 @@ class SqliteStore(RunStore):
         statuses: Collection[RunStatus] = (),
         target: str = "",
         tenant: str | None = None,
+        run_id_prefix: str = "",
         limit: int = 100,
     ) -> list[RunRecord]:
-        """Runs, newest (last created) first; empty ``statuses`` / ``target`` and a
-        ``tenant`` of None match any ("" is the default tenant).
+        """Runs, newest (last created) first; empty ``statuses`` / ``target`` /
+        ``run_id_prefix`` and a ``tenant`` of None match any ("" is the default tenant).
 
         At most ``limit`` runs; none for ``limit`` <= 0.
         """
@@ -541,6 +542,9 @@ class SqliteStore(RunStore):
         if tenant is not None:
             where.append("tenant = ?")
             args.append(tenant)
+        if run_id_prefix:
+            where.append("substr(run_id, 1, ?) = ?")
+            args.extend([len(run_id_prefix), run_id_prefix])
         sql = f"SELECT {_RUN_COLUMNS} FROM runs"
         if where:
             sql += " WHERE " + " AND ".join(where)

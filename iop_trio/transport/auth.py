@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import hmac
 
-
-def bearer_ok(headers: list[tuple[bytes, bytes]], token: str | None) -> bool:
-    """True if ``token`` is None or the Authorization header carries exactly it.
-
-    The comparison takes the same time whatever the given token, and the
-    scheme name is case-insensitive (``bearer``, ``Bearer``).
-    """
-    if token is None:
-        return True
+def bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The token of the handshake's ``Authorization: Bearer`` header, or None."""
     for name, value in headers:
         if name.lower() == b"authorization":
             scheme, _, given = value.decode("latin-1").partition(" ")
             if scheme.lower() == "bearer":
-                return hmac.compare_digest(given.strip().encode(), token.encode())
-    return False
+                return given.strip()
+    return None
 
 
 def bearer_header(token: str | None) -> list[tuple[bytes, bytes]]:

@@ -142,6 +142,7 @@ class RunService:
             statuses=statuses,
             target=message.target,
             tenant=message.tenant if message.HasField("tenant") else None,
+            run_id_prefix=message.run_id_prefix,
             limit=limit,
         )
         await session.reply(

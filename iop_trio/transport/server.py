@@ -7,19 +7,37 @@ otherwise let it crash the listener's nursery).
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
 
-from .auth import bearer_ok
+from .auth import bearer_token
 from .session import DEFAULT_MAX_MESSAGE_SIZE
 
 log = logging.getLogger(__name__)
 
-ConnectionHandler = Callable[[WebSocketConnection], Awaitable[None]]
+#: A connection's handler: the WebSocket and who the server let in (what ``authorize``
+#: answered).
+ConnectionHandler = Callable[[WebSocketConnection, Any], Awaitable[None]]
+#: Who the bearer token (None: none sent) of a connection to a path is; None refuses it.
+Authorize = Callable[[str, str | None], object | None]
+
+
+def shared_token(token: str | None) -> Authorize:
+    """Everyone with ``token`` (everyone at all for None) is let in, as ``True``."""
+
+    def authorize(path: str, given: str | None) -> bool | None:
+        ok = token is None or (
+            given is not None and hmac.compare_digest(given.encode(), token.encode())
+        )
+        return True if ok else None
+
+    return authorize
 
 
 async def serve_proto(
@@ -27,14 +45,15 @@ async def serve_proto(
     host: str,
     port: int,
     *,
-    token: str | None,
+    authorize: Authorize,
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``routes`` (path -> handler) until cancelled; ``task_status`` gets the port.
 
-    A wrong or missing bearer token is refused with HTTP 401 before the
-    WebSocket opens; an unknown path with 404.
+    A connection whose bearer token ``authorize`` refuses is answered HTTP 401
+    before the WebSocket opens; an unknown path 404. The handler gets who
+    ``authorize`` said the connection is.
     """
 
     async def on_request(request: WebSocketRequest) -> None:
@@ -44,7 +63,8 @@ async def serve_proto(
             if handler is None:
                 await request.reject(404, body=f"no proto-socket at {path}\n".encode())
                 return
-            if not bearer_ok(request.headers, token):
+            who = authorize(path, bearer_token(request.headers))
+            if who is None:
                 log.warning("refused a connection to %s: bad or missing bearer token", path)
                 await request.reject(
                     401,
@@ -53,7 +73,7 @@ async def serve_proto(
                 )
                 return
             ws = await request.accept()
-            await handler(ws)
+            await handler(ws, who)
         except ConnectionClosed:
             pass
         except Exception:

@@ -79,6 +79,8 @@ class RemoteError(Exception):
         self.retry_after = retry_after
 
 
+#: Seconds :meth:`ProtoSession.aclose` waits for what was sent to be written.
+FLUSH_TIMEOUT = 1.0
 #: The retry hint, in seconds, of a request refused for want of room on a session.
 BUSY_RETRY_AFTER = 1.0
 
@@ -223,6 +225,7 @@ class ProtoSession:
         self._outbox: collections.deque[bytes] = collections.deque()
         self._outbox_bytes = 0
         self._writer_lot = trio.lowlevel.ParkingLot()
+        self._flushed: list[trio.Event] = []  # set when the writer has nothing left to write
         self._room_lot = trio.lowlevel.ParkingLot()
         self._closed = False
         self._nursery: trio.Nursery | None = None
@@ -290,7 +293,11 @@ class ProtoSession:
             self._nursery.cancel_scope.cancel()
 
     async def aclose(self, code: int = 1000, reason: str = "closing") -> None:
-        """Close the WebSocket and end the session."""
+        """Close the WebSocket and end the session, once what was sent is written (for
+        at most :data:`FLUSH_TIMEOUT` seconds), so a last answer reaches the peer."""
+        if not self._closed and self._nursery is not None:
+            with trio.move_on_after(FLUSH_TIMEOUT):
+                await self._flush()
         self._end(reason)
         with trio.move_on_after(2):
             await self.ws.aclose(code, reason)
@@ -433,6 +440,9 @@ class ProtoSession:
         try:
             while True:
                 while not self._outbox:
+                    for flushed in self._flushed:
+                        flushed.set()
+                    self._flushed.clear()
                     await self._writer_lot.park()
                 frame = self._outbox.popleft()
                 self._outbox_bytes -= len(frame)
@@ -449,6 +459,14 @@ class ProtoSession:
             self._end("connection closed while sending")
         except trio.BrokenResourceError as exc:
             self._end(f"socket broken: {exc}")
+
+    async def _flush(self) -> None:
+        """Wait until the writer has written everything queued so far."""
+        if not self._outbox and self._writer_lot.statistics().tasks_waiting:
+            return  # nothing queued, and the writer waits for more
+        flushed = trio.Event()
+        self._flushed.append(flushed)
+        await flushed.wait()
 
     async def _heartbeat(self) -> None:
         """Ping every ``ping_interval``; end the session once the peer is silent.

@@ -42,6 +42,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_UNAVAILABLE: _ClassVar[ErrorCode]
     ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
     ERROR_CODE_STORE_UNAVAILABLE: _ClassVar[ErrorCode]
+    ERROR_CODE_FORBIDDEN: _ClassVar[ErrorCode]
 RUN_STATUS_UNSPECIFIED: RunStatus
 RUN_STATUS_QUEUED: RunStatus
 RUN_STATUS_RUNNING: RunStatus
@@ -68,6 +69,7 @@ ERROR_CODE_INVALID: ErrorCode
 ERROR_CODE_UNAVAILABLE: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
 ERROR_CODE_STORE_UNAVAILABLE: ErrorCode
+ERROR_CODE_FORBIDDEN: ErrorCode
 
 class Envelope(_message.Message):
     __slots__ = ("nonce", "reply_to", "hello", "hello_ack", "run_request", "run_accepted", "run_event", "cancel_run", "cancel_result", "get_run", "run_info", "list_runs", "run_list", "set_limits", "error", "ping", "pong", "limits")
@@ -359,16 +361,18 @@ class RunInfo(_message.Message):
     def __init__(self, run: _Optional[_Union[RunSummary, _Mapping]] = ..., events: _Optional[_Iterable[_Union[RunEvent, _Mapping]]] = ..., more_events: _Optional[bool] = ...) -> None: ...
 
 class ListRuns(_message.Message):
-    __slots__ = ("statuses", "target", "limit", "tenant")
+    __slots__ = ("statuses", "target", "limit", "tenant", "run_id_prefix")
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_PREFIX_FIELD_NUMBER: _ClassVar[int]
     statuses: _containers.RepeatedScalarFieldContainer[RunStatus]
     target: str
     limit: int
     tenant: str
-    def __init__(self, statuses: _Optional[_Iterable[_Union[RunStatus, str]]] = ..., target: _Optional[str] = ..., limit: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    run_id_prefix: str
+    def __init__(self, statuses: _Optional[_Iterable[_Union[RunStatus, str]]] = ..., target: _Optional[str] = ..., limit: _Optional[int] = ..., tenant: _Optional[str] = ..., run_id_prefix: _Optional[str] = ...) -> None: ...
 
 class RunList(_message.Message):
     __slots__ = ("runs",)
