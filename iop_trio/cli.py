@@ -212,6 +212,7 @@ async def serve(
                         backoff=Backoff(
                             initial=config.edge.backoff_initial, maximum=config.edge.backoff_max
                         ),
+                        ssl_context=config.edge_ssl_context(),
                     )
                     nursery.start_soon(link.run)
                 nursery.start_soon(_prune_loop, store, config)

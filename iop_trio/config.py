@@ -17,6 +17,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import ssl
 import stat
 import types
 import typing
@@ -40,6 +41,7 @@ from .model import (
     tenant_problem,
 )
 from .runtime import AdapterSlot, RuntimeLimits
+from .transport.tls import client_context
 
 ENV_PREFIX = "IOP_"
 T = TypeVar("T")
@@ -69,12 +71,20 @@ class EdgeConfig:
     max_message_size: int = attrs.field(default=4 * 1024 * 1024, validator=_int_at_least(1024))
     backoff_initial: float = attrs.field(default=0.5, validator=_positive)
     backoff_max: float = attrs.field(default=30.0, validator=_positive)
+    # TLS (wss://): the CA to trust (default: the system's), this node's certificate and
+    # key for mutual TLS, and the name to check the edge's certificate against
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    server_name: str | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.url and not re.match(r"wss?://", self.url):
             raise ValueError(f"url: must start with ws:// or wss://, not {self.url!r}")
         if self.token is not None and self.token_file is not None:
             raise ValueError("token, token_file: give one of them, not both")
+        if self.key_file is not None and self.cert_file is None:
+            raise ValueError("key_file: give cert_file with it")
 
 
 @attrs.frozen
@@ -232,6 +242,27 @@ class NodeConfig:
         if self.edge.token_file is None:
             return self.edge.token
         return read_secret_file(self.edge.token_file, f"{self.source}: edge.token_file")
+
+    def edge_ssl_context(self) -> ssl.SSLContext | None:
+        """The TLS context of the link to a ``wss://`` edge (None for ``ws://``);
+        ConfigError for a file that cannot be loaded, or a key others may read."""
+        e = self.edge
+        if not e.url.startswith("wss://"):
+            return None
+        where = f"{self.source}: edge"
+        if e.key_file is not None or e.cert_file is not None:
+            private = e.key_file or e.cert_file
+            assert private is not None
+            read_secret_file(private, f"{where}.{'key_file' if e.key_file else 'cert_file'}")
+        try:
+            return client_context(
+                ca_file=e.ca_file,
+                cert_file=e.cert_file,
+                key_file=e.key_file,
+                server_name=e.server_name,
+            )
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"{where}: TLS files: {exc}") from None
 
     def ops_token(self) -> str | None:
         """The ops port's token, read from ``metrics.token_file`` if that is how it is given."""

@@ -17,6 +17,7 @@ does the same routing for code running next to the edge.
 from __future__ import annotations
 
 import logging
+import ssl
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -108,12 +109,14 @@ class Edge:
         ack_timeout: float | None = ACK_TIMEOUT,
         client_tenant: str = "",
         identities: Identities | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         problem = tenant_problem(client_tenant)
         if problem is not None:
             raise ValueError(problem)
         self.token = token
         self.identities = identities
+        self.ssl_context = ssl_context  # wss:// (transport.tls.server_context)
         self._shared = shared_token(token)
         self.client_tenant = client_tenant
         self.edge_id = edge_id
@@ -135,7 +138,8 @@ class Edge:
     def url(self) -> str:
         if self.port is None:
             raise RuntimeError("the edge is not serving yet")
-        return f"ws://{self.host}:{self.port}"
+        scheme = "ws" if self.ssl_context is None else "wss"
+        return f"{scheme}://{self.host}:{self.port}"
 
     @property
     def node_url(self) -> str:
@@ -161,6 +165,7 @@ class Edge:
                     host,
                     port,
                     authorize=self._authorize,
+                    ssl_context=self.ssl_context,
                     max_message_size=self.settings.max_message_size,
                     task_status=task_status,
                 )

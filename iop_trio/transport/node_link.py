@@ -11,7 +11,9 @@ reset once a session has been up for ``stable_after`` seconds.
 from __future__ import annotations
 
 import logging
+import math
 import random
+import ssl
 
 import attrs
 import trio
@@ -19,6 +21,7 @@ from trio_websocket import (
     ConnectionClosed,
     ConnectionRejected,
     HandshakeError,
+    WebSocketConnection,
     open_websocket_url,
 )
 
@@ -28,6 +31,7 @@ from ..runtime import Node
 from .auth import bearer_header
 from .run_service import RunService
 from .session import ProtoSession, RemoteError, ReplyTimeout, SessionClosed, SessionSettings
+from .tls import TLSFailed, check_tls
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +64,12 @@ class NodeLink:
         connect_timeout: float = 10.0,
         hello_timeout: float = 10.0,
         rng: random.Random | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.node = node
         self.url = url
         self.token = token
+        self.ssl_context = ssl_context
         self.settings = settings or SessionSettings()
         self.backoff = backoff or Backoff()
         self.connect_timeout = connect_timeout
@@ -126,6 +132,8 @@ class NodeLink:
                 self.last_error = f"edge refused the connection: HTTP {exc.status_code}"
                 if exc.status_code == 401:
                     self.last_error += " (check the node's edge token)"
+            except TLSFailed as exc:
+                self.last_error = str(exc)
             except (HandshakeError, ConnectionClosed, OSError, trio.BrokenResourceError) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
             except Exception as exc:
@@ -152,47 +160,60 @@ class NodeLink:
 
     async def _connect_once(self) -> float | None:
         """One connection; returns when it ends (the time it came up, None if it never did)."""
-        async with open_websocket_url(
-            self.url,
-            extra_headers=bearer_header(self.token),
-            max_message_size=self.settings.max_message_size,
-            connect_timeout=self.connect_timeout,
-        ) as ws:
-            session = ProtoSession(
-                ws, Role.RUNNER, handler=self.service.handle, settings=self.settings, name="edge"
-            )
-            up_since: float | None = None
-            try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(session.run)
-                    hello = hello_from_info(self.node.describe())
-                    try:
-                        ack = await session.request("hello", hello, ack_timeout=self.hello_timeout)
-                    except (RemoteError, SessionClosed, ReplyTimeout) as exc:
-                        self.last_error = f"hello failed: {exc}"
-                        nursery.cancel_scope.cancel()
-                        return None
-                    assert isinstance(ack, pb.HelloAck)
-                    up_since = trio.current_time()
-                    self.sessions += 1
-                    self.session = session
-                    self._connected.set()
-                    log.info(
-                        "node %s: connected to edge %s (session %s)",
-                        self.node.node_id,
-                        ack.edge_id,
-                        ack.session_id,
-                    )
-                    await session.ended.wait()
-                    self.last_error = session.close_reason
-            finally:
-                self.session = None
-                self._connected = trio.Event()
-                lost = self.node.manager.abandon(session.key, "session_lost")
-                if lost:
-                    log.warning(
-                        "node %s: session lost, cancelled %d foreground runs",
-                        self.node.node_id,
-                        len(lost),
-                    )
-            return up_since
+        with trio.move_on_after(self.connect_timeout):  # a bad certificate says so at once
+            await check_tls(self.url, self.ssl_context)
+        # trio-websocket's own connect timeout leaves its reader waiting on a peer that
+        # never answers the upgrade (an edge that refused our certificate late, say):
+        # this scope bounds the opening as a whole, and is lifted once the socket is open
+        with trio.CancelScope(deadline=trio.current_time() + self.connect_timeout) as opening:
+            async with open_websocket_url(
+                self.url,
+                ssl_context=self.ssl_context,
+                extra_headers=bearer_header(self.token),
+                max_message_size=self.settings.max_message_size,
+                connect_timeout=self.connect_timeout,
+            ) as ws:
+                opening.deadline = math.inf
+                return await self._serve(ws)
+        self.last_error = f"the edge did not open the WebSocket within {self.connect_timeout:g}s"
+        return None
+
+    async def _serve(self, ws: WebSocketConnection) -> float | None:
+        session = ProtoSession(
+            ws, Role.RUNNER, handler=self.service.handle, settings=self.settings, name="edge"
+        )
+        up_since: float | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(session.run)
+                hello = hello_from_info(self.node.describe())
+                try:
+                    ack = await session.request("hello", hello, ack_timeout=self.hello_timeout)
+                except (RemoteError, SessionClosed, ReplyTimeout) as exc:
+                    self.last_error = f"hello failed: {exc}"
+                    nursery.cancel_scope.cancel()
+                    return None
+                assert isinstance(ack, pb.HelloAck)
+                up_since = trio.current_time()
+                self.sessions += 1
+                self.session = session
+                self._connected.set()
+                log.info(
+                    "node %s: connected to edge %s (session %s)",
+                    self.node.node_id,
+                    ack.edge_id,
+                    ack.session_id,
+                )
+                await session.ended.wait()
+                self.last_error = session.close_reason
+        finally:
+            self.session = None
+            self._connected = trio.Event()
+            lost = self.node.manager.abandon(session.key, "session_lost")
+            if lost:
+                log.warning(
+                    "node %s: session lost, cancelled %d foreground runs",
+                    self.node.node_id,
+                    len(lost),
+                )
+        return up_since

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -46,6 +47,7 @@ async def serve_proto(
     port: int,
     *,
     authorize: Authorize,
+    ssl_context: ssl.SSLContext | None = None,
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -85,7 +87,7 @@ async def serve_proto(
                 on_request,
                 host,
                 port,
-                ssl_context=None,
+                ssl_context=ssl_context,
                 max_message_size=max_message_size,
                 task_status=task_status,
             )
