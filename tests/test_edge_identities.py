@@ -21,6 +21,7 @@ from .test_wire import FAST, echo_node
 IDENTITIES = {
     "callers": {
         "alice": {"token_sha256": token_digest("alice-token"), "max_priority": 5},
+        "ops": {"token_sha256": token_digest("ops-token"), "may_set_limits": True},
         "bob": {
             "token_sha256": token_digest("bob-token"),
             "tenant": "team-b",
@@ -171,3 +172,21 @@ async def test_a_run_id_cannot_name_runs_on_two_nodes():
             await alice.submit(RunSpec("echo/b", "on n2", run_id="same"))
         assert twice.value.code == pb.ERROR_CODE_INVALID
         assert "names a run on another node" in twice.value.message
+
+
+async def test_changing_limits_through_the_edge_needs_the_right():
+    node = echo_node(("a", 1))
+    async with (
+        edge_with_nodes((node, "n1-token")) as edge,
+        open_runner(edge.client_url, token="alice-token") as alice,
+        open_runner(edge.client_url, token="ops-token") as ops,
+    ):
+        with pytest.raises(RemoteError) as refused:
+            await alice.set_limits(node_id="n1", targets={"echo/a": 5})
+        assert refused.value.code == pb.ERROR_CODE_FORBIDDEN
+        assert node.limits().targets["echo/a"] == 1
+        limits = await ops.set_limits(node_id="n1", targets={"echo/a": 5})
+        assert limits.targets["echo/a"] == 5 == node.limits().targets["echo/a"]
+        with pytest.raises(RemoteError) as gone:
+            await ops.set_limits(node_id="n9", concurrency=1)
+        assert gone.value.code == pb.ERROR_CODE_UNAVAILABLE

@@ -383,6 +383,16 @@ class Edge:
                 if caller is not None:
                     request.message.run_id_prefix = caller.run_prefix  # type: ignore[attr-defined]
                 await self._relay_list(session, request)
+            elif request.kind == "set_limits" and caller is not None:
+                message = request.message
+                assert isinstance(message, pb.SetLimits)
+                if not caller.may_set_limits:
+                    raise Forbidden(f"caller {caller.name!r} may not change limits")
+                target_node = self.nodes.get(message.node_id)
+                if target_node is None:
+                    raise NodeGone(f"no node {message.node_id!r} is connected now")
+                limits = await target_node._call("set_limits", message)
+                await session.reply(request.nonce, "limits", limits)
             else:
                 await session.error(
                     request.nonce,

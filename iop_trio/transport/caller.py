@@ -167,10 +167,13 @@ class RunnerClient:
         adapters: Mapping[str, int] | None = None,
         targets: Mapping[str, int] | None = None,
         tenants: Mapping[str, TenantLimits] | None = None,
+        node_id: str = "",
     ) -> pb.Limits:
         """Change limits (None / absent leaves one as it is); each tenant named gets that
-        whole share. Returns the limits in force."""
+        whole share. Returns the limits in force. Through an edge, ``node_id`` names the
+        node (and the caller needs the right to change limits)."""
         request = pb.SetLimits(
+            node_id=node_id,
             adapters=adapters or {},
             targets=targets or {},
             tenants={n: tenant_limits_to_pb(t) for n, t in (tenants or {}).items()},

@@ -381,7 +381,7 @@ class RunList(_message.Message):
     def __init__(self, runs: _Optional[_Iterable[_Union[RunSummary, _Mapping]]] = ...) -> None: ...
 
 class SetLimits(_message.Message):
-    __slots__ = ("concurrency", "max_queued", "queue_timeout_s", "adapters", "targets", "tenants")
+    __slots__ = ("concurrency", "max_queued", "queue_timeout_s", "adapters", "targets", "tenants", "node_id")
     class AdaptersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -409,13 +409,15 @@ class SetLimits(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     concurrency: int
     max_queued: int
     queue_timeout_s: float
     adapters: _containers.ScalarMap[str, int]
     targets: _containers.ScalarMap[str, int]
     tenants: _containers.MessageMap[str, TenantLimits]
-    def __init__(self, concurrency: _Optional[int] = ..., max_queued: _Optional[int] = ..., queue_timeout_s: _Optional[float] = ..., adapters: _Optional[_Mapping[str, int]] = ..., targets: _Optional[_Mapping[str, int]] = ..., tenants: _Optional[_Mapping[str, TenantLimits]] = ...) -> None: ...
+    node_id: str
+    def __init__(self, concurrency: _Optional[int] = ..., max_queued: _Optional[int] = ..., queue_timeout_s: _Optional[float] = ..., adapters: _Optional[_Mapping[str, int]] = ..., targets: _Optional[_Mapping[str, int]] = ..., tenants: _Optional[_Mapping[str, TenantLimits]] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message", "retry_after_s")
