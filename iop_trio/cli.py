@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import signal
+import ssl
 import sys
 import time
 from collections.abc import Sequence
@@ -464,6 +465,67 @@ async def submit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 0 if last.kind.value == "succeeded" else 1
 
 
+# --- edge -----------------------------------------------------------------------------------
+
+
+async def edge_command(ns: argparse.Namespace, out: TextIO) -> int:
+    """The reference edge, until SIGTERM or SIGINT: nodes dial /node, clients /client."""
+    from .config import read_secret_file
+    from .edge import Edge
+    from .edge.identities import Identities, IdentityError
+    from .transport.tls import server_context
+
+    host, _, port_text = ns.listen.rpartition(":")
+    if not host or not port_text.isdigit():
+        raise CliError(f"--listen must be host:port, not {ns.listen!r}", code=2)
+    identities = token = None
+    try:
+        if ns.identities is not None:
+            identities = Identities.load(ns.identities)
+        elif ns.token_file is not None:
+            token = read_secret_file(ns.token_file, "--token-file")
+        else:
+            token = os.environ.get("IOP_EDGE_TOKEN") or None
+    except IdentityError as exc:
+        raise CliError(str(exc), code=2) from None
+    if identities is None and token is None:
+        raise CliError(
+            "the edge needs who may use it: --identities FILE (a token per caller and "
+            "node), --token-file FILE or IOP_EDGE_TOKEN (one shared token)",
+            code=2,
+        )
+    context = None
+    if ns.cert_file is not None:
+        read_secret_file(
+            ns.key_file or ns.cert_file, "--key-file" if ns.key_file else "--cert-file"
+        )
+        try:
+            context = server_context(
+                cert_file=ns.cert_file, key_file=ns.key_file, client_ca_file=ns.client_ca_file
+            )
+        except (OSError, ssl.SSLError) as exc:
+            raise CliError(f"TLS files: {exc}", code=2) from None
+    edge = Edge(token=token, identities=identities, ssl_context=context, edge_id=ns.edge_id)
+    refused: OSError | None = None
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            try:
+                await nursery.start(edge.serve, host, int(port_text))
+            except OSError as exc:  # raised outside the nursery, so it is not a group
+                refused = exc
+            else:
+                out.write(f"edge listening on {edge.url} (nodes: {edge.node_url}, ")
+                out.write(f"clients: {edge.client_url})\n")
+                out.flush()
+                async for _ in signals:
+                    log.info("edge: stopping")
+                    break
+            nursery.cancel_scope.cancel()
+    if refused is not None:
+        raise CliError(f"cannot listen on {ns.listen}: {refused.strerror or refused}")
+    return 0
+
+
 # --- demo -----------------------------------------------------------------------------------
 
 
@@ -585,6 +647,29 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("prompt")
 
+    p = sub.add_parser(
+        "edge",
+        help="run the reference edge: nodes dial ws(s)://HOST:PORT/node, clients /client",
+    )
+    p.add_argument("--listen", default="127.0.0.1:8765", help="host:port (default %(default)s)")
+    p.add_argument("--edge-id", default="edge", help="the edge's name in HelloAck")
+    p.add_argument(
+        "--identities",
+        metavar="FILE",
+        help="a token per caller and node (see docs/security.md; iop-node hash-token)",
+    )
+    p.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="one shared token, from a private file (or IOP_EDGE_TOKEN); never on the "
+        "command line, where ps shows it",
+    )
+    p.add_argument("--cert-file", metavar="FILE", help="serve wss:// with this certificate")
+    p.add_argument("--key-file", metavar="FILE", help="its private key (if not in --cert-file)")
+    p.add_argument(
+        "--client-ca-file", metavar="FILE", help="require client certificates from this CA"
+    )
+
     sub.add_parser(
         "hash-token",
         help="read a token on stdin, print the sha256:... an edge's identities file keeps",
@@ -607,6 +692,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         if ns.command == "submit":
             setup_logging("warning")
             return trio.run(submit, ns, out, err)
+        if ns.command == "edge":
+            setup_logging("info")
+            return trio.run(edge_command, ns, out)
         if ns.command == "hash-token":
             from .edge.identities import token_digest
 

@@ -233,3 +233,76 @@ def test_hash_token_prints_what_an_identities_file_keeps(monkeypatch):
     found = Identities.from_data({"callers": {"me": {"token_sha256": out.strip()}}})
     caller = found.caller("my-long-random-token")
     assert caller is not None and caller.name == "me"
+
+
+async def test_the_edge_command_serves_nodes_and_callers_with_identities(tmp_path):
+    import signal
+
+    import yaml
+
+    from iop_trio.edge.identities import token_digest
+    from iop_trio.runtime import RunSpec
+    from iop_trio.transport import NodeLink, open_runner
+
+    from .test_wire import FAST
+
+    identities = tmp_path / "identities.yaml"
+    identities.write_text(
+        yaml.safe_dump(
+            {
+                "callers": {"cli": {"token_sha256": token_digest("caller-token")}},
+                "nodes": {"n1": {"token_sha256": token_digest("node-token")}},
+            }
+        )
+    )
+    with trio.fail_after(30):
+        process = await trio.lowlevel.open_process(
+            [*IOP_NODE, "edge", "--listen", "127.0.0.1:0", "--identities", str(identities)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            assert process.stdout is not None
+            line = b""
+            while not line.endswith(b"\n"):
+                line += await process.stdout.receive_some(1)
+            url = re.search(r"ws://127\.0\.0\.1:\d+", line.decode())
+            assert url is not None, line
+            node = echo_node(("a", 1))
+            async with node.running(), trio.open_nursery() as nursery:
+                link = NodeLink(node, f"{url.group()}/node", token="node-token", backoff=FAST)
+                nursery.start_soon(link.run)
+                await link.wait_connected()
+                async with (
+                    open_runner(f"{url.group()}/client", token="caller-token") as client,
+                    client.run(RunSpec("echo/a", "through the edge command")) as stream,
+                ):
+                    assert (await stream.collect())[0] == "through the edge command"
+                assert stream.run_id.startswith("cli:")
+                await link.aclose()
+        finally:
+            process.send_signal(signal.SIGTERM)
+            assert await process.wait() == 0
+
+
+async def test_the_edge_command_says_what_is_wrong_in_one_line(tmp_path):
+    import socket
+
+    missing = await cli("edge", "--listen", "127.0.0.1:0")
+    assert missing.returncode == 2
+    assert b"needs who may use it" in missing.stderr and b"Traceback" not in missing.stderr
+    token = tmp_path / "token"
+    token.write_text("t0k")
+    token.chmod(0o600)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = await cli("edge", "--listen", f"127.0.0.1:{port}", "--token-file", str(token))
+    assert busy.returncode == 1
+    lines = busy.stderr.decode().strip().splitlines()
+    assert lines[-1].startswith(f"iop-node: cannot listen on 127.0.0.1:{port}: "), lines
+    assert "Traceback" not in busy.stderr.decode()
+    token.chmod(0o644)
+    loose = await cli("edge", "--listen", "127.0.0.1:0", "--token-file", str(token))
+    assert loose.returncode == 2 and b"chmod 600" in loose.stderr

@@ -156,22 +156,26 @@ class Edge:
         *,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Listen until cancelled; ``task_status`` gets the bound port."""
+        """Listen until cancelled; ``task_status`` gets the bound port. OSError if the
+        port cannot be bound."""
         self.host = host
-        async with trio.open_nursery() as nursery:
-            self.port = await nursery.start(
-                lambda task_status: serve_proto(
-                    {"/node": self._on_node, "/client": self._on_client},
-                    host,
-                    port,
-                    authorize=self._authorize,
-                    ssl_context=self.ssl_context,
-                    max_message_size=self.settings.max_message_size,
-                    task_status=task_status,
-                )
-            )
-            log.info("edge %s listening on %s", self.edge_id, self.url)
-            task_status.started(self.port)
+        edge = self
+
+        class Started:
+            def started(self, bound: int) -> None:
+                edge.port = bound
+                log.info("edge %s listening on %s", edge.edge_id, edge.url)
+                task_status.started(bound)
+
+        await serve_proto(
+            {"/node": self._on_node, "/client": self._on_client},
+            host,
+            port,
+            authorize=self._authorize,
+            ssl_context=self.ssl_context,
+            max_message_size=self.settings.max_message_size,
+            task_status=Started(),  # type: ignore[arg-type]
+        )
 
     def _authorize(self, path: str, token: str | None) -> object | None:
         """Who a connection to ``path`` with ``token`` is (None: refused)."""

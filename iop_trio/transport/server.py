@@ -55,7 +55,8 @@ async def serve_proto(
 
     A connection whose bearer token ``authorize`` refuses is answered HTTP 401
     before the WebSocket opens; an unknown path 404. The handler gets who
-    ``authorize`` said the connection is.
+    ``authorize`` said the connection is. OSError (not in a group) if the port
+    cannot be bound.
     """
 
     async def on_request(request: WebSocketRequest) -> None:
@@ -81,15 +82,21 @@ async def serve_proto(
         except Exception:
             log.exception("connection handler for %s failed", path)
 
-    async with trio.open_nursery() as nursery:
-        server = await nursery.start(
-            lambda task_status: serve_websocket(
-                on_request,
-                host,
-                port,
-                ssl_context=ssl_context,
-                max_message_size=max_message_size,
-                task_status=task_status,
+    try:
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(
+                lambda task_status: serve_websocket(
+                    on_request,
+                    host,
+                    port,
+                    ssl_context=ssl_context,
+                    max_message_size=max_message_size,
+                    task_status=task_status,
+                )
             )
-        )
-        task_status.started(server.port)
+            task_status.started(server.port)
+    except BaseExceptionGroup as group:
+        # a port that cannot be bound is the caller's to report, as itself
+        if len(group.exceptions) == 1 and isinstance(group.exceptions[0], OSError):
+            raise group.exceptions[0] from None
+        raise
