@@ -438,6 +438,9 @@ async def submit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         url += "/client"
     try:
         async with open_runner(url, token=ns.token) as client, client.run(spec) as stream:
+            if ns.background:  # it runs on without us: say its id and go
+                out.write(f"{stream.run_id}\n")
+                return 0
             err.write(f"run {stream.run_id}{' (existing)' if stream.existing else ''}\n")
             async for event in stream:
                 if event.text:
@@ -633,7 +636,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--edge", default=os.environ.get("IOP_EDGE", "ws://127.0.0.1:8765"))
     p.add_argument("--token", default=os.environ.get("IOP_TOKEN"))
     p.add_argument("--target", required=True)
-    p.add_argument("--background", action="store_true")
+    p.add_argument(
+        "--background",
+        action="store_true",
+        help="print the run id once accepted and exit; the run goes on (see runs show)",
+    )
     p.add_argument("--run-id")
     p.add_argument("--option", action="append", metavar="KEY=VALUE", help="JSON or text value")
     p.add_argument(

@@ -306,3 +306,16 @@ async def test_the_edge_command_says_what_is_wrong_in_one_line(tmp_path):
     token.chmod(0o644)
     loose = await cli("edge", "--listen", "127.0.0.1:0", "--token-file", str(token))
     assert loose.returncode == 2 and b"chmod 600" in loose.stderr
+
+
+async def test_submit_background_prints_the_run_id_at_once():
+    async with stack(echo_node(("a", 1), delay=30)) as s:  # a run that takes a while
+        with trio.fail_after(20):
+            result = await cli(
+                "submit", "--edge", s.edge.url, "--token", TOKEN, "--target", "echo/a",
+                "--background", "slow words here",
+            )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        run_id = result.stdout.decode().strip()
+        record = await s.node.store.get(run_id)
+        assert record is not None and record.background and not record.status.terminal
