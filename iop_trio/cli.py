@@ -18,6 +18,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import signal
 import ssl
 import sys
@@ -418,7 +419,7 @@ def options_from_pairs(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 async def submit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from .transport import RemoteError, ReplyTimeout, SessionClosed, open_runner
+    from .transport import open_runner
 
     try:
         options = options_from_pairs(ns.option or [])
@@ -434,6 +435,8 @@ async def submit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         queue_timeout=ns.queue_timeout,
     )
     url = ns.edge.rstrip("/")
+    if not re.match(r"wss?://", url):
+        raise CliError(f"--edge must be a ws:// or wss:// URL, not {ns.edge!r}", code=2)
     if not url.endswith("/client"):
         url += "/client"
     try:
@@ -447,25 +450,56 @@ async def submit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                     out.write(event.text)
                     out.flush()
             last = stream.last
-    except RemoteError as exc:
-        hint = f" (retry after {exc.retry_after:g}s)" if exc.retry_after else ""
-        raise CliError(f"the edge refused the run: {exc}{hint}") from None
-    except (SessionClosed, OSError) as exc:
-        raise CliError(f"lost the edge: {exc}") from None
-    except ReplyTimeout as exc:
-        raise CliError(f"the edge did not answer: {exc}") from None
-    except Exception as exc:  # trio-websocket handshake errors
-        if type(exc).__name__ == "ConnectionRejected":
-            raise CliError(f"the edge refused the connection: {exc!r} (check --token)") from None
-        if type(exc).__name__ in ("HandshakeError", "ConnectionTimeout"):
-            raise CliError(f"cannot reach the edge at {url}: {exc!r}") from None
-        raise
+    except BaseException as exc:
+        raise _submit_failure(_lone(exc), url) from None
     out.write("\n")
     assert last is not None
     reason = f" ({last.reason}{': ' + last.message if last.message else ''})" if last.reason else ""
     hint = f"; retry after {last.retry_after:g}s" if last.retry_after else ""
     err.write(f"{last.kind.value}{reason}{hint}\n")
     return 0 if last.kind.value == "succeeded" else 1
+
+
+def _lone(exc: BaseException) -> BaseException:
+    """The one error inside nested exception groups of one (else ``exc`` itself)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _submit_failure(exc: BaseException, url: str) -> BaseException:
+    """The one line a failed submit prints for ``exc`` (a CliError), or ``exc`` itself
+    for what is not an expected failure (a bug, or Ctrl-C)."""
+    from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError
+
+    from .transport import RemoteError, ReplyTimeout, SessionClosed
+    from .transport.tls import TLSFailed
+
+    if isinstance(exc, RemoteError):
+        hint = f" (retry after {exc.retry_after:g}s)" if exc.retry_after else ""
+        return CliError(f"the edge refused the run: {exc}{hint}")
+    if isinstance(exc, ConnectionRejected):
+        hint = " (check --token)" if exc.status_code == 401 else ""
+        return CliError(f"the edge refused the connection: HTTP {exc.status_code}{hint}")
+    if isinstance(exc, TLSFailed):
+        return CliError(f"cannot reach the edge at {url}: {exc}")
+    if isinstance(exc, HandshakeError):
+        cause = exc.__cause__
+        why = (
+            cause.strerror
+            if isinstance(cause, OSError) and cause.strerror
+            else "no answer in time"
+            if type(exc).__name__ == "ConnectionTimeout"
+            else str(cause or exc) or type(exc).__name__
+        )
+        return CliError(f"cannot reach the edge at {url}: {why}")
+    if isinstance(exc, OSError):
+        return CliError(f"cannot reach the edge at {url}: {exc.strerror or exc}")
+    if isinstance(exc, SessionClosed | ConnectionClosed | trio.BrokenResourceError):
+        return CliError(f"lost the edge: {exc}")
+    if isinstance(exc, ReplyTimeout):
+        return CliError(f"the edge did not answer: {exc}")
+    return exc
 
 
 # --- edge -----------------------------------------------------------------------------------

@@ -182,6 +182,27 @@ async def test_submit_streams_deltas_through_the_edge():
         )
         assert unknown.returncode == 1
         assert "no connected node serves 'echo/zz'" in unknown.stderr.decode()
+        for result in (refused, unknown):  # one line, no traceback
+            assert len(result.stderr.decode().strip().splitlines()) == 1, result.stderr
+            assert b"Traceback" not in result.stderr
+
+
+async def test_submit_failures_before_any_edge_are_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+        port = closed.getsockname()[1]
+        refused = await cli("submit", "--edge", f"ws://127.0.0.1:{port}", "--target", "t", "x")
+    scheme = await cli("submit", "--edge", f"http://127.0.0.1:{port}", "--target", "t", "x")
+    assert refused.returncode == 1 and scheme.returncode == 2
+    assert refused.stderr.decode().strip() == (
+        f"iop-node: cannot reach the edge at ws://127.0.0.1:{port}/client: "
+        f"all attempts to connect to 127.0.0.1:{port} failed"
+    )
+    assert scheme.stderr.decode().strip() == (
+        f"iop-node: --edge must be a ws:// or wss:// URL, not 'http://127.0.0.1:{port}'"
+    )
 
 
 async def test_submit_says_when_to_retry_a_rejected_run():
