@@ -594,4 +594,31 @@ def load_config(
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of keys")
     data = apply_env(data, os.environ if environ is None else environ, source=source)
-    return structure_config(data, source=source)
+    return relative_to(structure_config(data, source=source), Path(path).resolve().parent)
+
+
+#: The settings that name files: a relative one is relative to the config file's folder.
+PATH_KEYS: Mapping[str, tuple[str, ...]] = {
+    "store": ("path",),
+    "edge": ("token_file", "ca_file", "cert_file", "key_file"),
+    "metrics": ("token_file",),
+}
+
+
+def relative_to(config: NodeConfig, folder: Path) -> NodeConfig:
+    """``config`` with every relative file path in it made relative to ``folder`` (the
+    config file's), so a command run from another folder finds the same files."""
+    changes: dict[str, Any] = {}
+    for section, keys in PATH_KEYS.items():
+        current = getattr(config, section)
+        fixed = {
+            key: str(folder / value)
+            for key in keys
+            if isinstance(value := getattr(current, key), str)
+            and value
+            and not os.path.isabs(value)
+            and not (section == "store" and value == ":memory:")
+        }
+        if fixed:
+            changes[section] = attrs.evolve(current, **fixed)
+    return attrs.evolve(config, **changes) if changes else config

@@ -234,3 +234,20 @@ def test_the_ops_port_off_loopback_needs_a_token(tmp_path):
     assert check(data).ops_token() == "from-file"
     data["metrics"] = {"listen": "127.0.0.1:9464"}
     assert check(data).ops_token() is None  # loopback: the run routes then answer 401
+
+
+def test_relative_paths_are_relative_to_the_config_file(tmp_path, monkeypatch):
+    folder = tmp_path / "etc"
+    folder.mkdir()
+    path = folder / "node.yaml"
+    data = copy.deepcopy(example())
+    data["store"] = {"path": "var/node.db"}
+    data["edge"] = {"url": "ws://127.0.0.1:1/node", "token_file": "secrets/token"}
+    path.write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)  # run from somewhere else
+    config = load_config(path, environ={})
+    assert config.store.path == str(folder / "var" / "node.db")
+    assert config.edge.token_file == str(folder / "secrets" / "token")
+    data["store"] = {"path": "/abs/node.db"}
+    path.write_text(yaml.safe_dump(data))
+    assert load_config(path, environ={}).store.path == "/abs/node.db"
