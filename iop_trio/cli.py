@@ -34,7 +34,7 @@ import trio
 from . import __version__
 from .config import ConfigError, NodeConfig, load_config
 from .lifecycle import RunState
-from .logs import setup_logging
+from .logs import escape_controls, setup_logging
 from .metrics import NodeMetrics
 from .model import RunEvent, RunRecord, RunSpec, RunStatus
 from .ops import OpsApp, record_json, serve_ops
@@ -286,18 +286,27 @@ async def runs_list(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> 
         json.dump([record_json(r) for r in records], out, indent=2)
         out.write("\n")
         return 0
-    out.write(
-        f"{'RUN ID':<34} {'TARGET':<28} {'TENANT':<12} {'PRI':>4} {'STATUS':<22} {'MODE':<4} "
-        "CREATED\n"
-    )
-    for r in records:
-        status = r.status.value + (f"({r.reason})" if r.reason else "")
-        mode = "bg" if r.background else "fg"
-        tenant = r.tenant or "-"
-        out.write(
-            f"{r.run_id:<34} {r.target:<28} {tenant:<12} {r.priority:>4} {status:<22} {mode:<4} "
-            f"{_when(r.created)}\n"
+    rows = [
+        (
+            r.run_id,
+            r.target,
+            r.tenant or "-",
+            str(r.priority),
+            r.status.value + (f"({r.reason})" if r.reason else ""),
+            "bg" if r.background else "fg",
+            _when(r.created),
         )
+        for r in records
+    ]
+    header = ("RUN ID", "TARGET", "TENANT", "PRI", "STATUS", "MODE", "CREATED")
+    # every column as wide as its widest cell, so no status breaks the table
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        cells = [
+            cell.rjust(width) if i == 3 else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        out.write("  ".join(cells).rstrip() + "\n")
     return 0
 
 
@@ -317,9 +326,16 @@ async def runs_show(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> 
         json.dump(data, out, indent=2)
         out.write("\n")
         return 0
+    excerpt = record.prompt or " / ".join(f"{role}: {text}" for role, text in record.messages)
+    excerpt = escape_controls(excerpt[:77] + ("..." if len(excerpt) > 77 else ""))
+    ended = record.finished if record.finished is not None else time.time()
+    took = f"{ended - record.started:.2f}s" if record.started is not None else "-"
     for key, value in [
         ("run", record.run_id),
         ("target", record.target),
+        ("model", record.target.split("/", 1)[-1].split("@")[0]),
+        ("prompt", excerpt or "-"),
+        ("ran", took + ("" if record.finished is not None or took == "-" else " so far")),
         ("status", record.status.value),
         ("reason", record.reason or "-"),
         ("message", record.message or "-"),

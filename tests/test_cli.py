@@ -112,12 +112,17 @@ def test_runs_list_show_and_offline_cancel(tmp_path, capsys):
     assert code == 0
     assert "status: succeeded" in out and "#3     succeeded" in out
     assert "tenant: acme" in out and "priority: 7" in out
+    assert "model: m\n" in out and "prompt: p\n" in out and "ran: 0.00s\n" in out
 
     code, out = run_cli("runs", "cancel", "queued-1", "--config", str(path), "--reason", "ops")
     assert (code, out.strip()) == (0, "queued-1: cancelled (no node was running)")
     code, out = run_cli("runs", "show", "queued-1", "--json", "--config", str(path))
     shown = json.loads(out)
     assert (shown["status"], shown["reason"]) == ("cancelled", "ops")
+    code, out = run_cli("runs", "list", "--config", str(path))
+    header, *rows = out.splitlines()
+    at = header.index("STATUS")
+    assert any(row[at:].startswith("cancelled(ops) ") for row in rows), out  # columns hold
     code, out = run_cli("runs", "cancel", "done-1", "--config", str(path))
     assert (code, out.strip()) == (0, "done-1: already succeeded")
 
