@@ -195,7 +195,12 @@ async def serve(
                     token=config.ops_token(),
                     open_metrics=config.metrics.open_metrics,
                 )
-                bound = await ops.start(partial(serve_ops, app, host, port, shutdown=ops_stop))
+                try:
+                    bound = await ops.start(partial(serve_ops, app, host, port, shutdown=ops_stop))
+                except OSError as exc:
+                    raise CliError(
+                        f"cannot listen on {host}:{port} (metrics.listen): {exc.strerror or exc}"
+                    ) from None
                 log.info("metrics on http://%s:%d/metrics", host, bound)
                 if lock is not None:
                     lock.note(f"http://{host}:{bound}")
@@ -743,43 +748,52 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     err = sys.stderr
     ns = _parser().parse_args(argv)
     try:
-        if ns.command == "demo":
-            setup_logging("warning")
-            return trio.run(demo, ns, out)
-        if ns.command == "submit":
-            setup_logging("warning")
-            return trio.run(submit, ns, out, err)
-        if ns.command == "edge":
-            setup_logging("info")
-            return trio.run(edge_command, ns, out)
-        if ns.command == "hash-token":
-            from .edge.identities import token_digest
+        return _command(ns, out, err)
+    except BaseException as raised:
+        # an expected failure says one line, even when it comes inside a nursery's group
+        exc = _lone(raised)
+        if isinstance(exc, ConfigError):
+            err.write(f"iop-node: {exc}\n")
+            return 2
+        if isinstance(exc, CliError):
+            err.write(f"iop-node: {exc}\n")
+            return exc.code
+        if isinstance(exc, StoreError):
+            err.write(f"iop-node: store: {exc}\n")
+            return 1
+        if isinstance(exc, KeyboardInterrupt):
+            return 130
+        raise
 
-            token = sys.stdin.readline().strip()
-            if not token:
-                raise CliError("no token on stdin", code=2)
-            out.write(token_digest(token) + "\n")
-            return 0
-        config = load_config(ns.config)
-        if ns.command == "check-config":
-            return check_config(config, out)
-        if ns.command == "serve":
-            setup_logging(config.logging.level, config.logging.format)
-            return trio.run(serve, config)
+
+def _command(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Run the command ``ns`` names; its failures are main's to say."""
+    if ns.command == "demo":
         setup_logging("warning")
-        action = {"list": runs_list, "show": runs_show, "cancel": runs_cancel}[ns.runs_command]
-        return trio.run(action, config, ns, out)
-    except ConfigError as exc:
-        err.write(f"iop-node: {exc}\n")
-        return 2
-    except CliError as exc:
-        err.write(f"iop-node: {exc}\n")
-        return exc.code
-    except StoreError as exc:
-        err.write(f"iop-node: store: {exc}\n")
-        return 1
-    except KeyboardInterrupt:
-        return 130
+        return trio.run(demo, ns, out)
+    if ns.command == "submit":
+        setup_logging("warning")
+        return trio.run(submit, ns, out, err)
+    if ns.command == "edge":
+        setup_logging("info")
+        return trio.run(edge_command, ns, out)
+    if ns.command == "hash-token":
+        from .edge.identities import token_digest
+
+        token = sys.stdin.readline().strip()
+        if not token:
+            raise CliError("no token on stdin", code=2)
+        out.write(token_digest(token) + "\n")
+        return 0
+    config = load_config(ns.config)
+    if ns.command == "check-config":
+        return check_config(config, out)
+    if ns.command == "serve":
+        setup_logging(config.logging.level, config.logging.format)
+        return trio.run(serve, config)
+    setup_logging("warning")
+    action = {"list": runs_list, "show": runs_show, "cancel": runs_cancel}[ns.runs_command]
+    return trio.run(action, config, ns, out)
 
 
 def check_config(config: NodeConfig, out: TextIO) -> int:

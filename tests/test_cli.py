@@ -345,3 +345,22 @@ async def test_submit_background_prints_the_run_id_at_once():
         run_id = result.stdout.decode().strip()
         record = await s.node.store.get(run_id)
         assert record is not None and record.background and not record.status.terminal
+
+
+async def test_serve_with_its_metrics_port_taken_says_so_in_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        path = write_config(tmp_path, metrics=f"{{listen: '127.0.0.1:{port}'}}")
+        text = path.read_text().replace("metrics: {listen: ''}\n", "")
+        path.write_text(text)
+        result = await cli("serve", "--config", str(path))
+    stderr = result.stderr.decode()
+    assert result.returncode == 1
+    assert stderr.strip().splitlines()[-1] == (
+        f"iop-node: cannot listen on 127.0.0.1:{port} (metrics.listen): Address already in use"
+    )
+    assert "Traceback" not in stderr
