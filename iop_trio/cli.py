@@ -455,13 +455,18 @@ async def submit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         priority=ns.priority,
         queue_timeout=ns.queue_timeout,
     )
+    token = ns.token
+    if ns.token_file is not None:
+        from .config import read_secret_file
+
+        token = read_secret_file(ns.token_file, "--token-file")
     url = ns.edge.rstrip("/")
     if not re.match(r"wss?://", url):
         raise CliError(f"--edge must be a ws:// or wss:// URL, not {ns.edge!r}", code=2)
     if not url.endswith("/client"):
         url += "/client"
     try:
-        async with open_runner(url, token=ns.token) as client, client.run(spec) as stream:
+        async with open_runner(url, token=token) as client, client.run(spec) as stream:
             if ns.background:  # it runs on without us: say its id and go
                 out.write(f"{stream.run_id}\n")
                 return 0
@@ -689,7 +694,13 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("submit", help="submit a run through an edge and stream it")
     p.add_argument("--edge", default=os.environ.get("IOP_EDGE", "ws://127.0.0.1:8765"))
-    p.add_argument("--token", default=os.environ.get("IOP_TOKEN"))
+    p.add_argument(
+        "--token",
+        default=os.environ.get("IOP_TOKEN"),
+        help="the edge's token (default: $IOP_TOKEN); on the command line ps shows it, so "
+        "prefer IOP_TOKEN or --token-file",
+    )
+    p.add_argument("--token-file", metavar="FILE", help="read the token from a private file")
     p.add_argument("--target", required=True)
     p.add_argument(
         "--background",

@@ -160,7 +160,7 @@ async def cli(*argv: str) -> subprocess.CompletedProcess[bytes]:
     )
 
 
-async def test_submit_streams_deltas_through_the_edge():
+async def test_submit_streams_deltas_through_the_edge(tmp_path):
     async with stack(echo_node(("a", 1))) as s:
         result = await cli(
             "submit",
@@ -175,6 +175,15 @@ async def test_submit_streams_deltas_through_the_edge():
         assert result.returncode == 0, result.stderr
         assert result.stdout.decode() == "hello from the cli\n"
         assert result.stderr.decode().endswith("succeeded\n")
+
+        token_file = tmp_path / "token"
+        token_file.write_text(TOKEN + "\n")
+        token_file.chmod(0o600)
+        from_file = await cli(
+            "submit", "--edge", s.edge.url, "--token-file", str(token_file),
+            "--target", "echo/a", "from a file",
+        )  # fmt: skip
+        assert from_file.returncode == 0, from_file.stderr
 
         refused = await cli(
             "submit", "--edge", s.edge.url, "--token", "wrong", "--target", "echo/a", "x"
