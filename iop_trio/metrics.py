@@ -123,6 +123,13 @@ METRICS: tuple[MetricInfo, ...] = (
         "Runs rejected by the gate, by reason (queue_full, queue_timeout).",
     ),
     MetricInfo(
+        "iop_runs_failed_total",
+        "counter",
+        ("target", "reason"),
+        "Runs ended FAILED, by reason (connection, timeout, engine_error, model_not_found, "
+        "bad_response, empty_response, run_timeout, output_limit, store_unavailable, ...).",
+    ),
+    MetricInfo(
         "iop_run_deltas_total", "counter", ("target",), "Output deltas (stream chunks) sent."
     ),
     MetricInfo(
@@ -193,16 +200,16 @@ METRICS: tuple[MetricInfo, ...] = (
         "Runs holding a permit now (the target's borrowed tokens).",
     ),
     MetricInfo(
-        "iop_gate_tokens_limit",
+        "iop_gate_permits_limit",
         "gauge",
         ("level", "name"),
-        "Concurrency limit in force per level (global/adapter/target/tenant); +Inf = unbounded.",
+        "Concurrency permits per level (global/adapter/target/tenant); +Inf = unbounded.",
     ),
     MetricInfo(
-        "iop_gate_tokens_borrowed",
+        "iop_gate_permits_in_use",
         "gauge",
         ("level", "name"),
-        "Tokens held now per level (global/adapter/target/tenant).",
+        "Permits held now per level (global/adapter/target/tenant): runs holding one.",
     ),
     MetricInfo("iop_gate_queue_length", "gauge", (), "Runs waiting in the gate, all targets."),
     MetricInfo(
@@ -317,8 +324,8 @@ class _GateCollector:
         ]
         for level, by_name in levels:
             for name, tokens in by_name.items():
-                g["iop_gate_tokens_limit"].add_metric([level, name], float(tokens.limit))
-                g["iop_gate_tokens_borrowed"].add_metric([level, name], tokens.borrowed)
+                g["iop_gate_permits_limit"].add_metric([level, name], float(tokens.limit))
+                g["iop_gate_permits_in_use"].add_metric([level, name], tokens.borrowed)
         g["iop_gate_queue_length"].add_metric([], stats.queued)
         g["iop_gate_queue_max"].add_metric([], stats.max_queued)
         g["iop_gate_queue_timeout_seconds"].add_metric([], stats.queue_timeout)
@@ -395,6 +402,12 @@ class NodeMetrics:
         self.rejected = Counter(
             "iop_runs_rejected",
             _help("iop_runs_rejected_total"),
+            ["target", "reason"],
+            registry=r,
+        )
+        self.failed = Counter(
+            "iop_runs_failed",
+            _help("iop_runs_failed_total"),
             ["target", "reason"],
             registry=r,
         )
@@ -552,6 +565,8 @@ class NodeMetrics:
         self.tenant_finished.labels(tenant, priority, status.value).inc()
         if status is RunStatus.REJECTED:
             self.rejected.labels(target, event.reason or "unknown").inc()
+        elif status is RunStatus.FAILED:
+            self.failed.labels(target, event.reason or "unknown").inc()
         usage = event.usage
         if usage is not None:
             if usage.prompt_tokens:

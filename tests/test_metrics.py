@@ -195,6 +195,7 @@ async def test_counters_and_histograms_of_echo_runs():
     assert m("iop_runs_submitted_total", target="echo/b") == 2
     assert m("iop_runs_finished_total", target="echo/a", status="succeeded") == 5
     assert m("iop_runs_finished_total", target="echo/b", status="failed") == 2
+    assert m("iop_runs_failed_total", target="echo/b", reason="engine_error") == 2
     assert m("iop_runs_finished_total", target="echo/b", status="succeeded") == 0
     assert m("iop_runs_rejected_total", target="echo/a", reason="queue_full") == 0
     assert m("iop_run_deltas_total", target="echo/a") == 15
@@ -419,7 +420,7 @@ async def test_gauges_while_runs_are_queued_and_running():
         assert m("iop_node_admitting") == 1
         assert m("iop_node_info", node_id="m1", version=node.version) == 1
         borrowed = {
-            (level, name): m("iop_gate_tokens_borrowed", level=level, name=name)
+            (level, name): m("iop_gate_permits_in_use", level=level, name=name)
             for level, name in [
                 ("global", "global"),
                 ("adapter", "scripted"),
@@ -433,17 +434,17 @@ async def test_gauges_while_runs_are_queued_and_running():
             ("target", A): 1,
             ("target", B): 1,
         }
-        assert m("iop_gate_tokens_limit", level="global", name="global") == 8
-        assert m("iop_gate_tokens_limit", level="adapter", name="scripted") == float("inf")
-        assert m("iop_gate_tokens_limit", level="target", name=A) == 1
-        assert m("iop_gate_tokens_limit", level="target", name=B) == 2
+        assert m("iop_gate_permits_limit", level="global", name="global") == 8
+        assert m("iop_gate_permits_limit", level="adapter", name="scripted") == float("inf")
+        assert m("iop_gate_permits_limit", level="target", name=A) == 1
+        assert m("iop_gate_permits_limit", level="target", name=B) == 2
 
         node.set_limits(concurrency=3, adapters={"scripted": 5}, targets={A: 2})
         await trio.testing.wait_all_tasks_blocked()  # the raised limit starts a queued run
         m = await s.scrape()
-        assert m("iop_gate_tokens_limit", level="global", name="global") == 3
-        assert m("iop_gate_tokens_limit", level="adapter", name="scripted") == 5
-        assert m("iop_gate_tokens_limit", level="target", name=A) == 2
+        assert m("iop_gate_permits_limit", level="global", name="global") == 3
+        assert m("iop_gate_permits_limit", level="adapter", name="scripted") == 5
+        assert m("iop_gate_permits_limit", level="target", name=A) == 2
         assert m("iop_gate_queued_runs", target=A) == 1
         assert m("iop_gate_running_runs", target=A) == 2
 
@@ -455,7 +456,7 @@ async def test_gauges_while_runs_are_queued_and_running():
         m = await s.scrape()
         assert m("iop_gate_queued_runs", target=A) == 0
         assert m("iop_gate_running_runs", target=A) == 0
-        assert m("iop_gate_tokens_borrowed", level="global", name="global") == 0
+        assert m("iop_gate_permits_in_use", level="global", name="global") == 0
         assert m("iop_gate_queue_length") == 0
         assert m("iop_node_live_runs") == 0
         assert m("iop_runs_finished_total", target=A, status="succeeded") == 3
@@ -478,8 +479,8 @@ async def test_per_tenant_series_name_set_tenants_and_lump_the_rest():
         assert m("iop_gate_tenant_queued_runs", tenant="other") == 1  # guest-17: not set
         assert m("iop_gate_tenant_queued_runs", tenant="") == 1
         assert m("iop_gate_tenant_weight", tenant="gold") == 2
-        assert m("iop_gate_tokens_limit", level="tenant", name="gold") == 3
-        assert m("iop_gate_tokens_borrowed", level="tenant", name="gold") == 1
+        assert m("iop_gate_permits_limit", level="tenant", name="gold") == 3
+        assert m("iop_gate_permits_in_use", level="tenant", name="gold") == 1
         assert not any(labels and ("tenant", "guest-17") in labels for _, labels in m.values)
         assert m("iop_gate_priority_running_runs", priority="high") == 1
         assert m("iop_gate_priority_queued_runs", priority="normal") == 2
@@ -508,7 +509,7 @@ async def test_healthz_follows_the_node_and_gauges_work_when_stopped():
         assert await s.health() == (503, "stopped: the node is not running\n")
         m = await s.scrape()  # the gate is there before the node runs
         assert m("iop_node_admitting") == 0
-        assert m("iop_gate_tokens_limit", level="target", name=A) == 1
+        assert m("iop_gate_permits_limit", level="target", name=A) == 1
         async with node.running():
             assert await s.health() == (200, "ok\n")
             node.manager.stop_admitting()
