@@ -221,6 +221,7 @@ async def serve(
                         ),
                         ssl_context=config.edge_ssl_context(),
                     )
+                    metrics.watch_link(link)
                     nursery.start_soon(link.run)
                 nursery.start_soon(_prune_loop, store, config)
                 log.info(

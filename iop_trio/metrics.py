@@ -46,10 +46,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import attrs
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import RestrictedRegistry
 
 from .model import EventKind, RejectReason, RunEvent, RunRecord, RunStatus
@@ -237,6 +238,24 @@ METRICS: tuple[MetricInfo, ...] = (
         "iop_node_info", "gauge", ("node_id", "version"), "Always 1; the labels describe the node."
     ),
     MetricInfo(
+        "iop_edge_link_up",
+        "gauge",
+        (),
+        "1 while the node's link to its edge is up (HelloAck received); 0 while it is down.",
+    ),
+    MetricInfo(
+        "iop_edge_link_sessions_total",
+        "counter",
+        (),
+        "Sessions with the edge that came up (each reconnect adds one).",
+    ),
+    MetricInfo(
+        "iop_edge_link_attempts_total",
+        "counter",
+        (),
+        "Attempts to connect to the edge, successful or not.",
+    ),
+    MetricInfo(
         "iop_store_writable",
         "gauge",
         (),
@@ -280,9 +299,26 @@ class _GateCollector:
 
     def __init__(self, node: Node) -> None:
         self._node = node
+        self.link: Any = None  # a NodeLink, once the node has one (NodeMetrics.watch_link)
 
     def describe(self) -> Iterable[Metric]:
-        return list(self._families().values())
+        return [*self._families().values(), *self._link_families()]
+
+    def _link_families(self) -> list[Metric]:
+        if self.link is None:
+            return []
+        link = self.link
+        up = GaugeMetricFamily("iop_edge_link_up", _help("iop_edge_link_up"))
+        up.add_metric([], int(link.session is not None))
+        sessions = CounterMetricFamily(
+            "iop_edge_link_sessions", _help("iop_edge_link_sessions_total")
+        )
+        sessions.add_metric([], link.sessions)
+        attempts = CounterMetricFamily(
+            "iop_edge_link_attempts", _help("iop_edge_link_attempts_total")
+        )
+        attempts.add_metric([], link.attempts)
+        return [up, sessions, attempts]
 
     def collect(self) -> Iterable[Metric]:
         node = self._node
@@ -339,14 +375,17 @@ class _GateCollector:
         g["iop_node_live_runs"].add_metric([], live)
         g["iop_node_info"].add_metric([node.node_id, node.version], 1)
         g["iop_store_writable"].add_metric([], int(node.store.health().writable))
-        return list(g.values())
+        return [
+            *(f for n, f in g.items() if not n.startswith("iop_edge_link")),
+            *self._link_families(),
+        ]
 
     @staticmethod
     def _families() -> dict[str, GaugeMetricFamily]:
         return {
             m.name: GaugeMetricFamily(m.name, m.help, labels=list(m.labels))
             for m in METRICS
-            if m.type == "gauge"
+            if m.type == "gauge" and not m.name.startswith("iop_edge_link")
         }
 
 
@@ -451,7 +490,8 @@ class NodeMetrics:
             buckets=FIRST_DELTA_BUCKETS,
             registry=r,
         )
-        r.register(_GateCollector(node))
+        self._collector = _GateCollector(node)
+        r.register(self._collector)
         # the configured targets show 0 from the first scrape, so rate() works at once
         for target in node.targets:
             self.submitted.labels(target)
@@ -503,6 +543,11 @@ class NodeMetrics:
                 listeners.append(self._listener)
             if not any(seen is listeners for seen in self._attached_to):
                 self._attached_to.append(listeners)
+
+    def watch_link(self, link: Any) -> None:
+        """Show the state of ``link`` (the node's NodeLink) as the ``iop_edge_link_*``
+        metrics; read at each scrape."""
+        self._collector.link = link
 
     def detach(self) -> None:
         """Stop receiving events; forget the per-run state (those runs' durations are lost)."""

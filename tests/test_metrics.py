@@ -577,6 +577,7 @@ async def test_attach_falls_back_to_the_running_manager():
 def test_the_metric_table_matches_what_is_exposed():
     node, _ = scripted_node()
     metrics = NodeMetrics(node)
+    metrics.watch_link(attrs.make_class("Link", ["session", "sessions", "attempts"])(None, 0, 1))
     exposed = {
         family.name: family.type
         for family in text_string_to_metric_families(metrics.render().decode())

@@ -88,6 +88,8 @@ async def test_serve_links_exposes_metrics_cancels_and_drains_on_sigterm(tmp_pat
                 assert (health.status_code, health.text.strip()) == (200, "ok")
                 scraped = (await http.get("/metrics")).text
                 assert 'iop_gate_running_runs{target="echo/slow"} 2.0' in scraped
+                assert "iop_edge_link_up 1.0" in scraped
+                assert "iop_edge_link_sessions_total 1.0" in scraped
                 shown = (await http.get(f"/runs/{slow.run_id}")).json()
                 assert (shown["status"], shown["background"], shown["options"]) == (
                     "running",
