@@ -660,17 +660,42 @@ class NodeMetrics:
         return _WithoutCreated(self.registry)
 
     def health(self) -> tuple[bool, str]:
-        """(healthy, why): healthy while the node runs, admits runs and its store writes."""
+        """(ready, why): ready while the node runs, admits runs, its store writes and its
+        edge link (if it has one) is up."""
+        ready, components = self.readiness()
+        if ready:
+            return True, "ok"
+        name, state = next((n, c) for n, c in components.items() if not c["ok"])
+        return False, f"{name}: {state['state']}"
+
+    def readiness(self) -> tuple[bool, dict[str, dict[str, Any]]]:
+        """Whether the node is ready for runs, and the state of each component that
+        decides it: ``node`` (running and admitting), ``store`` (writable), ``edge``
+        (the link is up; only when the node has one)."""
+        components: dict[str, dict[str, Any]] = {}
         try:
             manager = self.node.manager
         except RuntimeError:
-            return False, "stopped: the node is not running"
-        if not manager.admitting:
-            return False, "draining: the node admits no new runs"
+            components["node"] = {"ok": False, "state": "stopped: the node is not running"}
+        else:
+            admitting = manager.admitting
+            components["node"] = {
+                "ok": admitting,
+                "state": "running" if admitting else "draining: the node admits no new runs",
+            }
         store = self.node.store.health()
-        if not store.writable:
-            return False, f"store: the run store {store}"
-        return True, "ok"
+        components["store"] = {
+            "ok": store.writable,
+            "state": "writable" if store.writable else f"the run store {store}",
+        }
+        link = self._collector.link
+        if link is not None:
+            up = link.session is not None
+            components["edge"] = {
+                "ok": up,
+                "state": "up" if up else f"down: {link.last_error or 'connecting'}",
+            }
+        return all(c["ok"] for c in components.values()), components
 
 
 __all__ = [

@@ -5,8 +5,10 @@ Routes (served on ``metrics.listen``):
 - ``GET /metrics``: prometheus_client's ASGI exposition of
   :class:`~iop_trio.metrics.NodeMetrics` (text format 0.0.4 unless the
   scraper asks for OpenMetrics; gzip if it accepts it);
-- ``GET /healthz``: 200 ``ok`` while the node runs and admits runs, else 503
-  with the reason (``stopped: ...``, ``draining: ...``);
+- ``GET /healthz``: 200 ``alive`` while the process answers (liveness);
+- ``GET /readyz``: 200 while the node can take runs (running and admitting, its
+  store writable, its edge link up if it has one), else 503; the JSON body
+  gives each component's state (readiness);
 - ``GET /runs/<run_id>``: the run as JSON (404 if unknown);
 - ``POST /runs/<run_id>/cancel?reason=...``: cancel it and answer once its final
   status is recorded: ``{"run_id", "status", "cancelled"}`` (404 if unknown).
@@ -17,7 +19,7 @@ routes answer 503 while the node is not running.
 
 The run routes show prompts and cancel runs, so they need the ops token
 (``Authorization: Bearer <metrics.token>``; 401 otherwise, and always 401 with
-no token configured). ``/metrics`` and ``/healthz`` are open unless
+no token configured). ``/metrics``, ``/healthz`` and ``/readyz`` are open unless
 ``open_metrics`` is false. The CLI refuses to serve the port on an address
 that is not loopback without a token.
 
@@ -133,6 +135,7 @@ class OpsApp:
         self._routes: dict[tuple[str, ...], dict[str, Handler]] = {
             ("metrics",): {"GET": self._metrics},
             ("healthz",): {"GET": self._healthz},
+            ("readyz",): {"GET": self._readyz},
             ("runs", "*"): {"GET": self._show},
             ("runs", "*", "cancel"): {"POST": self._cancel},
         }
@@ -208,8 +211,12 @@ class OpsApp:
         await self._exposition(scope, receive, send)
 
     async def _healthz(self, scope: Scope, receive: Receive, send: Send, _: list[str]) -> None:
-        healthy, why = self.metrics.health()
-        await respond_text(send, f"{why}\n", 200 if healthy else 503)
+        # liveness: the process answers; whether it can take runs is /readyz's to say
+        await respond_text(send, "alive\n")
+
+    async def _readyz(self, scope: Scope, receive: Receive, send: Send, _: list[str]) -> None:
+        ready, components = self.metrics.readiness()
+        await respond_json(send, {"ready": ready, "components": components}, 200 if ready else 503)
 
     async def _show(self, scope: Scope, receive: Receive, send: Send, args: list[str]) -> None:
         if not self.node.is_running:

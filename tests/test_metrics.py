@@ -92,9 +92,16 @@ class Scraper:
         return Samples.parse(response.text)
 
     async def health(self) -> tuple[int, str]:
+        """/readyz's status and the state of the first component that is not ready
+        ("ok" if all are); /healthz must say alive meanwhile."""
         with trio.fail_after(WAIT):
-            response = await self.client.get("/healthz")
-        return response.status_code, response.text
+            alive = await self.client.get("/healthz")
+            response = await self.client.get("/readyz")
+        assert (alive.status_code, alive.text) == (200, "alive\n")
+        body = response.json()
+        failing = [f"{n}: {c['state']}" for n, c in body["components"].items() if not c["ok"]]
+        assert body["ready"] == (not failing)
+        return response.status_code, (failing[0] if failing else "ok") + "\n"
 
 
 @asynccontextmanager
@@ -506,16 +513,16 @@ async def test_per_tenant_series_name_set_tenants_and_lump_the_rest():
 async def test_healthz_follows_the_node_and_gauges_work_when_stopped():
     node, _ = scripted_node()
     async with serving_metrics(node) as s:
-        assert await s.health() == (503, "stopped: the node is not running\n")
+        assert await s.health() == (503, "node: stopped: the node is not running\n")
         m = await s.scrape()  # the gate is there before the node runs
         assert m("iop_node_admitting") == 0
         assert m("iop_gate_permits_limit", level="target", name=A) == 1
         async with node.running():
             assert await s.health() == (200, "ok\n")
             node.manager.stop_admitting()
-            assert await s.health() == (503, "draining: the node admits no new runs\n")
+            assert await s.health() == (503, "node: draining: the node admits no new runs\n")
             assert (await s.scrape())("iop_node_admitting") == 0
-        assert await s.health() == (503, "stopped: the node is not running\n")
+        assert await s.health() == (503, "node: stopped: the node is not running\n")
         with trio.fail_after(WAIT):
             wrong = await s.client.post("/metrics")
         assert wrong.status_code == 405

@@ -108,7 +108,7 @@ async def test_head_is_answered_like_get_without_the_body():
     async with serving() as ops, ops.node.running():
         head = await ops.client.head("/healthz")
         assert (head.status_code, head.content) == (200, b"")
-        assert head.headers["content-length"] == "3"  # "ok\n", as GET sends it
+        assert head.headers["content-length"] == "6"  # "alive\n", as GET sends it
 
 
 async def test_metrics_content_negotiation_and_name_filter():
@@ -142,7 +142,7 @@ async def test_shutdown_stops_the_server_with_a_keep_alive_connection_open():
     async with trio.open_nursery() as nursery:
         port = await nursery.start(serve_then_note)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-            assert (await client.get("/healthz")).status_code == 503  # kept alive, idle
+            assert (await client.get("/readyz")).status_code == 503  # kept alive, idle
             with trio.fail_after(WAIT):
                 shutdown.set()
                 await stopped.wait()

@@ -85,7 +85,10 @@ async def test_serve_links_exposes_metrics_cancels_and_drains_on_sigterm(tmp_pat
             ops_auth = {"Authorization": f"Bearer {OPS_TOKEN}"}
             async with httpx.AsyncClient(base_url=base, timeout=10, headers=ops_auth) as http:
                 health = await http.get("/healthz")
-                assert (health.status_code, health.text.strip()) == (200, "ok")
+                assert (health.status_code, health.text.strip()) == (200, "alive")
+                ready = await http.get("/readyz")
+                assert ready.status_code == 200
+                assert ready.json()["components"]["edge"] == {"ok": True, "state": "up"}
                 scraped = (await http.get("/metrics")).text
                 assert 'iop_gate_running_runs{target="echo/slow"} 2.0' in scraped
                 assert "iop_edge_link_up 1.0" in scraped
