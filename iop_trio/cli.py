@@ -23,6 +23,7 @@ import signal
 import ssl
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -36,7 +37,7 @@ from .config import ConfigError, NodeConfig, load_config
 from .lifecycle import RunState
 from .logs import escape_controls, setup_logging
 from .metrics import NodeMetrics
-from .model import RunEvent, RunRecord, RunSpec, RunStatus
+from .model import Limits, RunEvent, RunRecord, RunSpec, RunStatus
 from .ops import OpsApp, record_json, serve_ops
 from .runtime import Node
 from .store import RunStore, StoreError
@@ -660,6 +661,9 @@ async def demo(ns: argparse.Namespace, out: TextIO) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iop-node", description="An IOP inference node.")
     parser.add_argument("--version", action="version", version=f"iop-node {__version__}")
+    parser.add_argument(
+        "--debug", action="store_true", help="with a failure's one line, print its traceback"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_config(p: argparse.ArgumentParser) -> None:
@@ -764,6 +768,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     except BaseException as raised:
         # an expected failure says one line, even when it comes inside a nursery's group
         exc = _lone(raised)
+        if ns.debug and not isinstance(exc, KeyboardInterrupt):
+            traceback.print_exception(raised, file=err)
         if isinstance(exc, ConfigError):
             err.write(f"iop-node: {exc}\n")
             return 2
@@ -834,7 +840,39 @@ def check_config(config: NodeConfig, out: TextIO) -> int:
         out.write(f"  adapter {name} ({adapter.kind}) limit={'-' if bound is None else bound}\n")
     for name in node.targets:
         out.write(f"  target {name} limit={limits.targets[name]}\n")
+    for warning in config_warnings(config, limits):
+        out.write(f"  warning: {warning}\n")
     return 0
+
+
+def config_warnings(config: NodeConfig, limits: Limits) -> list[str]:
+    """Settings that are legal but probably not what the operator meant."""
+    warnings = [
+        f"target {name} has concurrency 0: it takes no runs until its limit is raised"
+        for name, limit in limits.targets.items()
+        if limit == 0
+    ]
+    if limits.queue_timeout == 0:
+        warnings.append("runtime.queue_timeout is 0: a run that finds no room is rejected at once")
+    if config.edge.url.startswith("ws://") and not _loopback_url(config.edge.url):
+        warnings.append(
+            f"edge.url {config.edge.url} is not TLS and not on loopback: the token and every "
+            "prompt cross the network in the clear (use wss://)"
+        )
+    for name, target in zip(limits.targets, config.targets, strict=True):
+        if target.concurrency > limits.concurrency:
+            warnings.append(
+                f"target {name} allows {target.concurrency} runs at once, more than the node's "
+                f"runtime.concurrency {limits.concurrency}"
+            )
+    return warnings
+
+
+def _loopback_url(url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or ""
+    return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
 if __name__ == "__main__":

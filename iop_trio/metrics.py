@@ -49,7 +49,13 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import RestrictedRegistry
 
@@ -261,6 +267,16 @@ METRICS: tuple[MetricInfo, ...] = (
         (),
         "1 while the run store's writes go through; 0 while they fail (disk full, I/O error).",
     ),
+)
+#: What prometheus_client's ProcessCollector adds (Linux), so a node's CPU, memory and
+#: open files can be watched without another exporter.
+PROCESS_METRICS: tuple[MetricInfo, ...] = (
+    MetricInfo("process_cpu_seconds_total", "counter", (), "CPU time of the node's process."),
+    MetricInfo("process_resident_memory_bytes", "gauge", (), "Its resident memory."),
+    MetricInfo("process_virtual_memory_bytes", "gauge", (), "Its virtual memory."),
+    MetricInfo("process_start_time_seconds", "gauge", (), "When it started (unix time)."),
+    MetricInfo("process_open_fds", "gauge", (), "File descriptors it has open."),
+    MetricInfo("process_max_fds", "gauge", (), "The most it may have open."),
 )
 _HELP = {m.name: m.help for m in METRICS}
 
@@ -492,6 +508,7 @@ class NodeMetrics:
         )
         self._collector = _GateCollector(node)
         r.register(self._collector)
+        ProcessCollector(registry=r)
         # the configured targets show 0 from the first scrape, so rate() works at once
         for target in node.targets:
             self.submitted.labels(target)
@@ -702,6 +719,7 @@ __all__ = [
     "CONTENT_TYPE",
     "FIRST_DELTA_BUCKETS",
     "METRICS",
+    "PROCESS_METRICS",
     "QUEUE_WAIT_BUCKETS",
     "RUN_DURATION_BUCKETS",
     "MetricInfo",

@@ -373,3 +373,23 @@ async def test_serve_with_its_metrics_port_taken_says_so_in_one_line(tmp_path):
         f"iop-node: cannot listen on 127.0.0.1:{port} (metrics.listen): Address already in use"
     )
     assert "Traceback" not in stderr
+
+
+def test_check_config_warns_of_settings_that_are_legal_but_suspicious(tmp_path):
+    path = write_config(tmp_path, edge="{url: 'ws://10.0.0.5:8765/node', token: t}")
+    text = path.read_text().replace("concurrency: 2}", "concurrency: 0}")
+    path.write_text(text)
+    code, out = run_cli("check-config", "--config", str(path))
+    assert code == 0
+    assert "warning: target echo/m has concurrency 0" in out
+    assert "warning: edge.url ws://10.0.0.5:8765/node is not TLS and not on loopback" in out
+
+
+def test_debug_adds_the_traceback_to_the_one_line(tmp_path, capsys):
+    missing = str(tmp_path / "nope.yaml")
+    assert main(["runs", "list", "--config", missing]) == 2
+    quiet = capsys.readouterr().err
+    assert quiet.startswith("iop-node: ") and "Traceback" not in quiet
+    assert main(["--debug", "runs", "list", "--config", missing]) == 2
+    loud = capsys.readouterr().err
+    assert "Traceback" in loud and loud.strip().endswith(quiet.strip())

@@ -17,6 +17,7 @@ from iop_trio.metrics import (
     CONTENT_TYPE,
     FIRST_DELTA_BUCKETS,
     METRICS,
+    PROCESS_METRICS,
     QUEUE_WAIT_BUCKETS,
     RUN_DURATION_BUCKETS,
     NodeMetrics,
@@ -589,7 +590,7 @@ def test_the_metric_table_matches_what_is_exposed():
         family.name: family.type
         for family in text_string_to_metric_families(metrics.render().decode())
     }
-    table = {m.name.removesuffix("_total"): m.type for m in METRICS}
+    table = {m.name.removesuffix("_total"): m.type for m in (*METRICS, *PROCESS_METRICS)}
     assert exposed == table
     with pytest.raises(ValueError, match="Duplicated"):
         NodeMetrics(node, registry=metrics.registry)
