@@ -41,6 +41,7 @@ from .model import Limits, RunEvent, RunRecord, RunSpec, RunStatus
 from .ops import OpsApp, record_json, serve_ops
 from .runtime import Node
 from .store import RunStore, StoreError
+from .transport.server import lone_error
 
 log = logging.getLogger("iop_trio.node")
 
@@ -479,7 +480,7 @@ async def submit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                     out.flush()
             last = stream.last
     except BaseException as exc:
-        raise _submit_failure(_lone(exc), url) from None
+        raise _submit_failure(lone_error(exc), url) from None
     out.write("\n")
     assert last is not None
     reason = f" ({last.reason}{': ' + last.message if last.message else ''})" if last.reason else ""
@@ -488,17 +489,15 @@ async def submit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 0 if last.kind.value == "succeeded" else 1
 
 
-def _lone(exc: BaseException) -> BaseException:
-    """The one error inside nested exception groups of one (else ``exc`` itself)."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
-
-
 def _submit_failure(exc: BaseException, url: str) -> BaseException:
     """The one line a failed submit prints for ``exc`` (a CliError), or ``exc`` itself
     for what is not an expected failure (a bug, or Ctrl-C)."""
-    from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError
+    from trio_websocket import (
+        ConnectionClosed,
+        ConnectionRejected,
+        ConnectionTimeout,
+        HandshakeError,
+    )
 
     from .transport import RemoteError, ReplyTimeout, SessionClosed
     from .transport.tls import TLSFailed
@@ -517,7 +516,7 @@ def _submit_failure(exc: BaseException, url: str) -> BaseException:
             cause.strerror
             if isinstance(cause, OSError) and cause.strerror
             else "no answer in time"
-            if type(exc).__name__ == "ConnectionTimeout"
+            if isinstance(exc, ConnectionTimeout)
             else str(cause or exc) or type(exc).__name__
         )
         return CliError(f"cannot reach the edge at {url}: {why}")
@@ -767,7 +766,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return _command(ns, out, err)
     except BaseException as raised:
         # an expected failure says one line, even when it comes inside a nursery's group
-        exc = _lone(raised)
+        exc = lone_error(raised)
         if ns.debug and not isinstance(exc, KeyboardInterrupt):
             traceback.print_exception(raised, file=err)
         if isinstance(exc, ConfigError):

@@ -37,6 +37,7 @@ from .model import (
     field_check,
     limit_problem,
     pinned_problem,
+    positive_problem,
     seconds_problem,
     tenant_problem,
 )
@@ -114,18 +115,12 @@ class RuntimeConfig:
     early_reject: bool = False
 
 
-def _weight_problem(value: Any) -> str | None:
-    if seconds_problem(value, positive=True) is None and value != float("inf"):
-        return None
-    return f"must be a number > 0, not {value!r}"
-
-
 @attrs.frozen
 class TenantConfig:
     """A tenant's share: fair-queueing ``weight``, and optional bounds on its waiting
     runs (node-wide) and its runs at once (null: none)."""
 
-    weight: float = attrs.field(default=1.0, validator=field_check(_weight_problem))
+    weight: float = attrs.field(default=1.0, validator=field_check(positive_problem))
     max_queued: int | None = attrs.field(default=None, validator=_int_at_least(0))
     concurrency: int | None = attrs.field(default=None, validator=_int_at_least(0))
 
@@ -475,10 +470,9 @@ def _check_references(config: NodeConfig) -> None:
             if problem is not None:
                 raise ConfigError(f"{src}: targets[{i}].allow_options: {problem}")
         for option, cap in target.option_caps.items():
-            if _weight_problem(cap) is not None:
-                raise ConfigError(
-                    f"{src}: targets[{i}].option_caps.{option}: must be a number > 0, not {cap!r}"
-                )
+            problem = positive_problem(cap)
+            if problem is not None:
+                raise ConfigError(f"{src}: targets[{i}].option_caps.{option}: {problem}")
         name = target.spec().name
         if name in names:
             raise ConfigError(f"{src}: targets[{i}]: target {name!r} is configured twice")

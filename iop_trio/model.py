@@ -370,11 +370,9 @@ def check_tenant_limits(name: str, limits: TenantLimits) -> TenantLimits:
     problem = tenant_problem(name)
     if problem is not None:
         raise ValueError(problem)
-    weight = limits.weight
-    if not (
-        isinstance(weight, int | float) and not isinstance(weight, bool) and 0 < weight < math.inf
-    ):
-        raise ValueError(f"tenant {name!r} weight must be a number > 0, not {weight!r}")
+    weight_problem = positive_problem(limits.weight)
+    if weight_problem is not None:
+        raise ValueError(f"tenant {name!r} weight {weight_problem}")
     if limits.max_queued is not None:
         check_limit(f"tenant {name!r} max_queued", limits.max_queued)
     if limits.concurrency is not None:
@@ -447,6 +445,13 @@ def seconds_problem(value: object, *, positive: bool = False) -> str | None:
     if positive:
         return f"must be a number of seconds > 0, not {value!r}"
     return f"must be a number >= 0, not {value!r}"
+
+
+def positive_problem(value: object) -> str | None:
+    """What is wrong with ``value`` as a finite number > 0 (a weight, a cap), or None."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf:
+        return None
+    return f"must be a number > 0, not {value!r}"
 
 
 def check_seconds(what: str, value: object, *, positive: bool = False) -> float:

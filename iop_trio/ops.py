@@ -46,6 +46,8 @@ from prometheus_client import make_asgi_app
 from .metrics import NodeMetrics
 from .model import RunRecord, UnknownRun
 from .runtime import Node
+from .transport.auth import bearer_token
+from .transport.server import lone_error
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -198,9 +200,8 @@ class OpsApp:
                 {"WWW-Authenticate": "Bearer"},
             )
             return False
-        given = dict(scope.get("headers") or []).get(b"authorization", b"")
-        scheme, _, credential = given.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(credential.strip(), self._token):
+        given = bearer_token(scope.get("headers") or [])
+        if given is not None and hmac.compare_digest(given.encode(), self._token):
             return True
         await respond_json(
             send, {"error": "a wrong or missing ops token"}, 401, {"WWW-Authenticate": "Bearer"}
@@ -254,16 +255,6 @@ class _PortStatus:
         self._task_status.started(int(binds[0].rpartition(":")[2]))
 
 
-def _lone_error(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
-    """The one exception inside ``group`` (nested groups included), or None if several."""
-    found: BaseException = group
-    while isinstance(found, BaseExceptionGroup):
-        if len(found.exceptions) != 1:
-            return None
-        found = found.exceptions[0]
-    return found
-
-
 async def serve_ops(
     app: ASGIApp,
     host: str,
@@ -294,7 +285,7 @@ async def serve_ops(
             mode="asgi",
         )
     except BaseExceptionGroup as group:  # hypercorn binds inside its nurseries
-        error = _lone_error(group)
+        error = lone_error(group)
         if isinstance(error, OSError):
             raise error from None
         raise

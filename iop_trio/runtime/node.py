@@ -14,7 +14,6 @@ The node knows nothing of transports: sessions call :attr:`Node.manager` and
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -38,7 +37,7 @@ from ..model import (
     check_seconds,
     check_tenant_limits,
     pinned_problem,
-    seconds_problem,
+    positive_problem,
 )
 from ..store.base import RunStore
 from .gate import Gate
@@ -159,10 +158,9 @@ class Node:
             if problem is not None:
                 raise ValueError(f"target {target.name!r}: allow_options: {problem}")
         for name, cap in target.option_caps.items():
-            if seconds_problem(cap, positive=True) is not None or cap == math.inf:
-                raise ValueError(
-                    f"target {target.name!r}: option_caps.{name}: must be a number > 0, not {cap!r}"
-                )
+            problem = positive_problem(cap)
+            if problem is not None:
+                raise ValueError(f"target {target.name!r}: option_caps.{name}: {problem}")
         return attrs.evolve(
             target,
             max_prompt_bytes=_either(target.max_prompt_bytes, r.max_prompt_bytes),

@@ -29,6 +29,14 @@ ConnectionHandler = Callable[[WebSocketConnection, Any], Awaitable[None]]
 Authorize = Callable[[str, str | None], object | None]
 
 
+def lone_error(exc: BaseException) -> BaseException:
+    """The one error inside ``exc``'s nested exception groups of one error each; ``exc``
+    itself if it is no group or a group of several."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
 def shared_token(token: str | None) -> Authorize:
     """Everyone with ``token`` (everyone at all for None) is let in, as ``True``."""
 
@@ -97,6 +105,7 @@ async def serve_proto(
             task_status.started(server.port)
     except BaseExceptionGroup as group:
         # a port that cannot be bound is the caller's to report, as itself
-        if len(group.exceptions) == 1 and isinstance(group.exceptions[0], OSError):
-            raise group.exceptions[0] from None
+        error = lone_error(group)
+        if isinstance(error, OSError):
+            raise error from None
         raise
