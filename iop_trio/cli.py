@@ -28,12 +28,13 @@ from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
+from urllib.parse import urlsplit
 
 import attrs
 import trio
 
 from . import __version__
-from .config import ConfigError, NodeConfig, load_config
+from .config import ConfigError, NodeConfig, is_loopback, load_config, split_listen
 from .lifecycle import RunState
 from .logs import escape_controls, setup_logging
 from .metrics import NodeMetrics
@@ -539,9 +540,12 @@ async def edge_command(ns: argparse.Namespace, out: TextIO) -> int:
     from .edge.identities import Identities, IdentityError
     from .transport.tls import server_context
 
-    host, _, port_text = ns.listen.rpartition(":")
-    if not host or not port_text.isdigit():
-        raise CliError(f"--listen must be host:port, not {ns.listen!r}", code=2)
+    try:
+        if ns.listen.startswith(":"):  # the edge is told its host; no default here
+            raise ValueError(ns.listen)
+        host, port = split_listen(ns.listen)
+    except ValueError:
+        raise CliError(f"--listen must be host:port, not {ns.listen!r}", code=2) from None
     identities = token = None
     try:
         if ns.identities is not None:
@@ -574,7 +578,7 @@ async def edge_command(ns: argparse.Namespace, out: TextIO) -> int:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             try:
-                await nursery.start(edge.serve, host, int(port_text))
+                await nursery.start(edge.serve, host, port)
             except OSError as exc:  # raised outside the nursery, so it is not a group
                 refused = exc
             else:
@@ -853,7 +857,8 @@ def config_warnings(config: NodeConfig, limits: Limits) -> list[str]:
     ]
     if limits.queue_timeout == 0:
         warnings.append("runtime.queue_timeout is 0: a run that finds no room is rejected at once")
-    if config.edge.url.startswith("ws://") and not _loopback_url(config.edge.url):
+    edge_host = urlsplit(config.edge.url).hostname or ""
+    if config.edge.url.startswith("ws://") and not is_loopback(edge_host):
         warnings.append(
             f"edge.url {config.edge.url} is not TLS and not on loopback: the token and every "
             "prompt cross the network in the clear (use wss://)"
@@ -865,13 +870,6 @@ def config_warnings(config: NodeConfig, limits: Limits) -> list[str]:
                 f"runtime.concurrency {limits.concurrency}"
             )
     return warnings
-
-
-def _loopback_url(url: str) -> bool:
-    from urllib.parse import urlsplit
-
-    host = urlsplit(url).hostname or ""
-    return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
 if __name__ == "__main__":

@@ -184,8 +184,8 @@ class MetricsConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.listen:
-            host, _ = _split_listen(self.listen)
-            if self.token is None and self.token_file is None and not _loopback(host):
+            host, _ = split_listen(self.listen)
+            if self.token is None and self.token_file is None and not is_loopback(host):
                 raise ValueError(
                     f"listen: {self.listen} is not a loopback address; the ops port shows "
                     "prompts and cancels runs, so set token or token_file to serve it there"
@@ -195,7 +195,7 @@ class MetricsConfig:
 
     @property
     def address(self) -> tuple[str, int] | None:
-        return _split_listen(self.listen) if self.listen else None
+        return split_listen(self.listen) if self.listen else None
 
 
 @attrs.frozen
@@ -279,7 +279,9 @@ class NodeConfig:
         return [t.spec() for t in self.targets]
 
 
-def _loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address, IPv6 in brackets or not) is this machine's
+    loopback."""
     if host == "localhost":
         return True
     try:
@@ -304,7 +306,8 @@ def read_secret_file(path: str, what: str) -> str:
         raise ConfigError(f"{what}: {exc}") from None
 
 
-def _split_listen(listen: str) -> tuple[str, int]:
+def split_listen(listen: str) -> tuple[str, int]:
+    """``host:port`` as (host, port); ValueError if it is not one."""
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"listen: must be host:port, not {listen!r}")
