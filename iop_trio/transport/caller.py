@@ -7,14 +7,12 @@ arrive as :class:`RemoteError`; a lost session as :class:`SessionClosed`.
 
 from __future__ import annotations
 
-import math
 import ssl
 from collections.abc import AsyncIterator, Collection, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import trio
 from google.protobuf.message import Message
-from trio_websocket import ConnectionTimeout, open_websocket_url
 
 from ..model import RunEvent, RunSpec, RunStatus, TenantLimits
 from ..protocol import Role, pb
@@ -25,9 +23,8 @@ from ..protocol.convert import (
     status_to_pb,
     tenant_limits_to_pb,
 )
-from .auth import bearer_header
 from .session import ProtoSession, ReplyStream, SessionClosed, SessionSettings
-from .tls import check_tls
+from .tls import open_websocket
 
 
 class RunStream:
@@ -243,24 +240,17 @@ async def open_runner(
     :class:`RunnerClient`).
     """
     settings = settings or SessionSettings()
-    with trio.move_on_after(connect_timeout):
-        await check_tls(url, ssl_context)
-    # bounds the opening as a whole (see NodeLink._connect_once), lifted once it is open
-    with trio.CancelScope(deadline=trio.current_time() + connect_timeout) as opening:
-        async with open_websocket_url(
-            url,
-            ssl_context=ssl_context,
-            extra_headers=bearer_header(token),
-            max_message_size=settings.max_message_size,
-            connect_timeout=connect_timeout,
-        ) as ws:
-            opening.deadline = math.inf
-            session = ProtoSession(ws, Role.CLIENT, settings=settings, name=url)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(session.run)
-                try:
-                    yield RunnerClient(session, ack_timeout=ack_timeout, idle_timeout=idle_timeout)
-                finally:
-                    nursery.cancel_scope.cancel()
-    if opening.cancelled_caught:
-        raise ConnectionTimeout()
+    async with open_websocket(
+        url,
+        token=token,
+        ssl_context=ssl_context,
+        max_message_size=settings.max_message_size,
+        connect_timeout=connect_timeout,
+    ) as ws:
+        session = ProtoSession(ws, Role.CLIENT, settings=settings, name=url)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(session.run)
+            try:
+                yield RunnerClient(session, ack_timeout=ack_timeout, idle_timeout=idle_timeout)
+            finally:
+                nursery.cancel_scope.cancel()

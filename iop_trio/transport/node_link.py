@@ -11,7 +11,6 @@ reset once a session has been up for ``stable_after`` seconds.
 from __future__ import annotations
 
 import logging
-import math
 import random
 import ssl
 
@@ -22,16 +21,14 @@ from trio_websocket import (
     ConnectionRejected,
     HandshakeError,
     WebSocketConnection,
-    open_websocket_url,
 )
 
 from ..protocol import Role, pb
 from ..protocol.convert import hello_from_info
 from ..runtime import Node
-from .auth import bearer_header
 from .run_service import RunService
 from .session import ProtoSession, RemoteError, ReplyTimeout, SessionClosed, SessionSettings
-from .tls import TLSFailed, check_tls
+from .tls import OpeningTimeout, TLSFailed, open_websocket
 
 log = logging.getLogger(__name__)
 
@@ -160,23 +157,18 @@ class NodeLink:
 
     async def _connect_once(self) -> float | None:
         """One connection; returns when it ends (the time it came up, None if it never did)."""
-        with trio.move_on_after(self.connect_timeout):  # a bad certificate says so at once
-            await check_tls(self.url, self.ssl_context)
-        # trio-websocket's own connect timeout leaves its reader waiting on a peer that
-        # never answers the upgrade (an edge that refused our certificate late, say):
-        # this scope bounds the opening as a whole, and is lifted once the socket is open
-        with trio.CancelScope(deadline=trio.current_time() + self.connect_timeout) as opening:
-            async with open_websocket_url(
+        try:
+            async with open_websocket(
                 self.url,
+                token=self.token,
                 ssl_context=self.ssl_context,
-                extra_headers=bearer_header(self.token),
                 max_message_size=self.settings.max_message_size,
                 connect_timeout=self.connect_timeout,
             ) as ws:
-                opening.deadline = math.inf
                 return await self._serve(ws)
-        self.last_error = f"the edge did not open the WebSocket within {self.connect_timeout:g}s"
-        return None
+        except OpeningTimeout as exc:
+            self.last_error = str(exc)
+            return None
 
     async def _serve(self, ws: WebSocketConnection) -> float | None:
         session = ProtoSession(

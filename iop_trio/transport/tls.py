@@ -1,19 +1,28 @@
-"""TLS for proto-sockets: contexts made from files, and a certificate check that fails
-in one clear line, at once.
+"""Opening a proto-socket's WebSocket, with TLS: contexts made from files, a
+certificate check that fails in one clear line at once, and an opening bounded as a
+whole.
 
 trio-websocket opens a ``wss:`` connection lazily: a certificate the client does not
 trust breaks its reader task, and the caller sees only a ``ConnectionTimeout`` when
 its connect timeout runs out. :func:`check_tls` shakes hands first, on a connection of
 its own, so the caller gets :class:`TLSFailed` ("certificate verify failed: ...")
-at once instead.
+at once instead. And trio-websocket's own connect timeout leaves its reader waiting on
+a peer that never answers the upgrade (an edge that refused the client's certificate
+after the handshake, say): :func:`open_websocket` bounds the opening as a whole.
 """
 
 from __future__ import annotations
 
+import math
 import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
 
 import trio
+from trio_websocket import ConnectionTimeout, WebSocketConnection, open_websocket_url
+
+from .auth import bearer_header
 
 #: Seconds :func:`check_tls` listens after the handshake for a server's refusal.
 ALERT_WINDOW = 0.25
@@ -21,6 +30,38 @@ ALERT_WINDOW = 0.25
 
 class TLSFailed(Exception):
     """The TLS handshake with the peer failed; the message says why, in one line."""
+
+
+class OpeningTimeout(ConnectionTimeout):
+    """The peer did not open the WebSocket within the connect timeout."""
+
+
+@asynccontextmanager
+async def open_websocket(
+    url: str,
+    *,
+    token: str | None,
+    ssl_context: ssl.SSLContext | None,
+    max_message_size: int,
+    connect_timeout: float,
+) -> AsyncIterator[WebSocketConnection]:
+    """The WebSocket at ``url``, with ``token`` as its bearer token. TLSFailed at once for
+    a ``wss:`` peer whose certificate is not trusted; OpeningTimeout if it is not open
+    within ``connect_timeout`` seconds (the bound is lifted once it is open)."""
+    with trio.move_on_after(connect_timeout):  # a bad certificate says so at once
+        await check_tls(url, ssl_context)
+    with trio.CancelScope(deadline=trio.current_time() + connect_timeout) as opening:
+        async with open_websocket_url(
+            url,
+            ssl_context=ssl_context,
+            extra_headers=bearer_header(token),
+            max_message_size=max_message_size,
+            connect_timeout=connect_timeout,
+        ) as ws:
+            opening.deadline = math.inf
+            yield ws
+    if opening.cancelled_caught:
+        raise OpeningTimeout(f"the edge did not open the WebSocket within {connect_timeout:g}s")
 
 
 def client_context(
