@@ -391,10 +391,7 @@ class _GateCollector:
         g["iop_node_live_runs"].add_metric([], live)
         g["iop_node_info"].add_metric([node.node_id, node.version], 1)
         g["iop_store_writable"].add_metric([], int(node.store.health().writable))
-        return [
-            *(f for n, f in g.items() if not n.startswith("iop_edge_link")),
-            *self._link_families(),
-        ]
+        return [*g.values(), *self._link_families()]
 
     @staticmethod
     def _families() -> dict[str, GaugeMetricFamily]:

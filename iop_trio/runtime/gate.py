@@ -570,7 +570,7 @@ class Gate:
             tenants={n: stats(t.limiter) for n, t in self._tenants.items()},
             queued_by_tenant={n: t.queued for n, t in self._tenants.items()},
             queued_by_priority=self._queued_by_priority(),
-            running_by_priority={p: n for p, n in self._running_by_priority.items() if n},
+            running_by_priority=dict(self._running_by_priority),  # _release drops zeros
         )
 
     def _queued_by_priority(self) -> dict[int, int]:
