@@ -8,6 +8,9 @@ one line, at once, not as a timeout.
 
 from __future__ import annotations
 
+import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -71,85 +74,62 @@ async def link_once(edge: Edge, context, connect_timeout: float = 10.0) -> NodeL
     return link
 
 
-async def serving(edge: Edge, nursery: trio.Nursery) -> None:
-    await nursery.start(edge.serve)
+@asynccontextmanager
+async def tls_edge(context: ssl.SSLContext) -> AsyncIterator[Edge]:
+    """An edge serving wss:// with ``context``, for the body of a ``with``."""
+    edge = Edge(token=TOKEN, ssl_context=context)
+    with trio.fail_after(WAIT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(edge.serve)
+            yield edge
+            nursery.cancel_scope.cancel()
 
 
 async def test_the_node_reaches_a_wss_edge_with_a_ca_from_a_file(pki):
-    edge = Edge(token=TOKEN, ssl_context=server_context(cert_file=pki["edge"]))
-    with trio.fail_after(WAIT):
-        async with trio.open_nursery() as nursery:
-            await serving(edge, nursery)
-            assert edge.url.startswith("wss://")
-            node = echo_node(("a", 1))
-            async with node.running():
-                link = NodeLink(
-                    node,
-                    edge.node_url,
-                    token=TOKEN,
-                    backoff=FAST,
-                    ssl_context=client_context(ca_file=pki["ca"]),
-                )
-                nursery.start_soon(link.run)
-                await edge.wait_for_node("n1")
-                async with (
-                    open_runner(
-                        edge.client_url, token=TOKEN, ssl_context=client_context(ca_file=pki["ca"])
-                    ) as client,
-                    client.run(RunSpec("echo/a", "over tls")) as stream,
-                ):
-                    assert (await stream.collect())[0] == "over tls"
-                await link.aclose()
-            nursery.cancel_scope.cancel()
+    trusting = client_context(ca_file=pki["ca"])
+    async with tls_edge(server_context(cert_file=pki["edge"])) as edge:
+        assert edge.url.startswith("wss://")
+        node = echo_node(("a", 1))
+        async with node.running(), trio.open_nursery() as nursery:
+            link = NodeLink(node, edge.node_url, token=TOKEN, backoff=FAST, ssl_context=trusting)
+            nursery.start_soon(link.run)
+            await edge.wait_for_node("n1")
+            async with (
+                open_runner(edge.client_url, token=TOKEN, ssl_context=trusting) as client,
+                client.run(RunSpec("echo/a", "over tls")) as stream,
+            ):
+                assert (await stream.collect())[0] == "over tls"
+            await link.aclose()
 
 
 async def test_an_untrusted_certificate_is_one_clear_line_at_once(pki):
-    edge = Edge(token=TOKEN, ssl_context=server_context(cert_file=pki["edge"]))
-    with trio.fail_after(WAIT):
-        async with trio.open_nursery() as nursery:
-            await serving(edge, nursery)
-            link = await link_once(edge, client_context(ca_file=pki["other_ca"]))
-            assert link.sessions == 0
-            assert link.last_error.startswith("certificate verify failed: ")
-            with pytest.raises(TLSFailed, match="certificate verify failed"):
-                async with open_runner(
-                    edge.client_url,
-                    token=TOKEN,
-                    ssl_context=client_context(ca_file=pki["other_ca"]),
-                ):
-                    pass
-            nursery.cancel_scope.cancel()
+    distrusting = client_context(ca_file=pki["other_ca"])
+    async with tls_edge(server_context(cert_file=pki["edge"])) as edge:
+        link = await link_once(edge, distrusting)
+        assert link.sessions == 0
+        assert link.last_error.startswith("certificate verify failed: ")
+        with pytest.raises(TLSFailed, match="certificate verify failed"):
+            async with open_runner(edge.client_url, token=TOKEN, ssl_context=distrusting):
+                pass
 
 
 async def test_the_server_name_checked_can_differ_from_the_host_dialled(pki):
-    edge = Edge(token=TOKEN, ssl_context=server_context(cert_file=pki["named_only"]))
-    with trio.fail_after(WAIT):
-        async with trio.open_nursery() as nursery:
-            await serving(edge, nursery)
-            wrong = await link_once(edge, client_context(ca_file=pki["ca"]))
-            assert "certificate verify failed" in wrong.last_error  # 127.0.0.1 is not in it
-            right = await link_once(
-                edge, client_context(ca_file=pki["ca"], server_name="edge.example")
-            )
-            assert right.sessions == 1
-            nursery.cancel_scope.cancel()
+    async with tls_edge(server_context(cert_file=pki["named_only"])) as edge:
+        wrong = await link_once(edge, client_context(ca_file=pki["ca"]))
+        assert "certificate verify failed" in wrong.last_error  # 127.0.0.1 is not in it
+        right = await link_once(edge, client_context(ca_file=pki["ca"], server_name="edge.example"))
+        assert right.sessions == 1
 
 
 async def test_the_edge_can_require_client_certificates(pki):
     context = server_context(cert_file=pki["edge"], client_ca_file=pki["ca"])
-    edge = Edge(token=TOKEN, ssl_context=context)
-    with trio.fail_after(WAIT):
-        async with trio.open_nursery() as nursery:
-            await serving(edge, nursery)
-            # refused after the client's side of the handshake; trio-websocket's server
-            # leaves such a connection open, so the client learns it at its timeout
-            anonymous = await link_once(edge, client_context(ca_file=pki["ca"]), 1.0)
-            assert anonymous.sessions == 0 and anonymous.last_error
-            known = await link_once(
-                edge, client_context(ca_file=pki["ca"], cert_file=pki["client"])
-            )
-            assert known.sessions == 1
-            nursery.cancel_scope.cancel()
+    async with tls_edge(context) as edge:
+        # refused after the client's side of the handshake; trio-websocket's server
+        # leaves such a connection open, so the client learns it at its timeout
+        anonymous = await link_once(edge, client_context(ca_file=pki["ca"]), 1.0)
+        assert anonymous.sessions == 0 and anonymous.last_error
+        known = await link_once(edge, client_context(ca_file=pki["ca"], cert_file=pki["client"]))
+        assert known.sessions == 1
 
 
 def test_the_nodes_tls_settings_come_from_its_config(pki, tmp_path):
