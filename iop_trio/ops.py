@@ -201,7 +201,8 @@ class OpsApp:
             )
             return False
         given = bearer_token(scope.get("headers") or [])
-        if given is not None and hmac.compare_digest(given.encode(), self._token):
+        # the header's own bytes (bearer_token decodes them as latin-1)
+        if given is not None and hmac.compare_digest(given.encode("latin-1"), self._token):
             return True
         await respond_json(
             send, {"error": "a wrong or missing ops token"}, 401, {"WWW-Authenticate": "Bearer"}
