@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -537,7 +538,9 @@ async def edge_command(ns: argparse.Namespace, out: TextIO) -> int:
     """The reference edge, until SIGTERM or SIGINT: nodes dial /node, clients /client."""
     from .config import read_secret_file
     from .edge import Edge
+    from .edge.front_door import OpenAIFrontDoor
     from .edge.identities import Identities, IdentityError
+    from .transport.asgi import serve_asgi
     from .transport.tls import server_context
 
     try:
@@ -573,24 +576,50 @@ async def edge_command(ns: argparse.Namespace, out: TextIO) -> int:
             )
         except (OSError, ssl.SSLError) as exc:
             raise CliError(f"TLS files: {exc}", code=2) from None
+    door_address = None
+    if ns.openai_listen is not None:
+        try:
+            door_address = split_listen(ns.openai_listen)
+        except ValueError:
+            raise CliError(
+                f"--openai-listen must be host:port, not {ns.openai_listen!r}", code=2
+            ) from None
     edge = Edge(token=token, identities=identities, ssl_context=context, edge_id=ns.edge_id)
-    refused: OSError | None = None
+    refused: tuple[str, OSError] | None = None
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
+            listening = ns.listen
             try:
                 await nursery.start(edge.serve, host, port)
-            except OSError as exc:  # raised outside the nursery, so it is not a group
-                refused = exc
-            else:
                 out.write(f"edge listening on {edge.url} (nodes: {edge.node_url}, ")
                 out.write(f"clients: {edge.client_url})\n")
+                if door_address is not None:
+                    listening = ns.openai_listen
+                    door_port = await nursery.start(
+                        functools.partial(
+                            serve_asgi,
+                            read_timeout=None,  # a long stream is not an idle client
+                            cert_file=ns.cert_file,
+                            key_file=ns.key_file,
+                        ),
+                        OpenAIFrontDoor(edge),
+                        *door_address,
+                    )
+                    scheme = "http" if ns.cert_file is None else "https"
+                    door_host = door_address[0]
+                    shown = f"[{door_host}]" if ":" in door_host else door_host
+                    out.write(f"OpenAI-compatible API on {scheme}://{shown}:{door_port}/v1\n")
+            except OSError as exc:  # raised outside the nursery, so it is not a group
+                refused = listening, exc
+            else:
                 out.flush()
                 async for _ in signals:
                     log.info("edge: stopping")
                     break
             nursery.cancel_scope.cancel()
     if refused is not None:
-        raise CliError(f"cannot listen on {ns.listen}: {refused.strerror or refused}")
+        where, error = refused
+        raise CliError(f"cannot listen on {where}: {error.strerror or error}")
     return 0
 
 
@@ -749,6 +778,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--key-file", metavar="FILE", help="its private key (if not in --cert-file)")
     p.add_argument(
         "--client-ca-file", metavar="FILE", help="require client certificates from this CA"
+    )
+    p.add_argument(
+        "--openai-listen",
+        metavar="HOST:PORT",
+        help="also serve an OpenAI-compatible API (POST /v1/chat/completions, GET /v1/models) "
+        "there; its bearer tokens are the callers' (https with --cert-file)",
     )
 
     sub.add_parser(

@@ -23,43 +23,35 @@ no token configured). ``/metrics``, ``/healthz`` and ``/readyz`` are open unless
 ``open_metrics`` is false. The CLI refuses to serve the port on an address
 that is not loopback without a token.
 
-:func:`serve_ops` runs the app until its ``shutdown`` event is set (then
-closes idle connections and gives requests in progress
-:data:`GRACEFUL_TIMEOUT` seconds) or until cancelled.
+:func:`serve_ops` (:func:`~iop_trio.transport.asgi.serve_asgi`) runs the app until its
+``shutdown`` event is set or until cancelled.
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qsl
 
 import attrs
-import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve
 from prometheus_client import make_asgi_app
 
 from .metrics import NodeMetrics
 from .model import RunRecord, UnknownRun
 from .runtime import Node
+from .transport.asgi import (
+    Receive,
+    Scope,
+    Send,
+    lifespan,
+    respond,
+    respond_json,
+    respond_text,
+    serve_asgi,
+)
 from .transport.auth import bearer_token
-from .transport.server import lone_error
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-#: Seconds a request in progress gets once the server is told to stop.
-GRACEFUL_TIMEOUT = 2.0
-#: Seconds an idle keep-alive connection is kept, and the most a request may take to arrive.
-IDLE_TIMEOUT = 10.0
-#: The largest request line plus headers accepted.
-MAX_HEADER_SIZE = 16 * 1024
 
 log = logging.getLogger(__name__)
 
@@ -70,42 +62,6 @@ def record_json(record: RunRecord) -> dict[str, Any]:
     data["status"] = record.status.value
     data["options"] = dict(record.options)  # a live run's may be a read-only mapping
     return data
-
-
-async def respond(
-    send: Send,
-    status: int,
-    body: bytes,
-    content_type: str,
-    headers: Mapping[str, str] | None = None,
-) -> None:
-    """Send a whole response."""
-    raw = [(b"content-type", content_type.encode())]
-    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    raw.append((b"content-length", str(len(body)).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def respond_json(
-    send: Send, data: Any, status: int = 200, headers: Mapping[str, str] | None = None
-) -> None:
-    await respond(send, status, json.dumps(data, default=str).encode(), "application/json", headers)
-
-
-async def respond_text(send: Send, text: str, status: int = 200) -> None:
-    await respond(send, status, text.encode(), "text/plain; charset=utf-8")
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    """Nothing to set up or tear down: acknowledge both."""
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
 
 
 Handler = Callable[[Scope, Receive, Send, list[str]], Awaitable[None]]
@@ -156,7 +112,7 @@ class OpsApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
@@ -246,47 +202,5 @@ class OpsApp:
         )
 
 
-class _PortStatus:
-    """Hands the port of hypercorn's first bind (``http://host:port``) to ``task_status``."""
-
-    def __init__(self, task_status: trio.TaskStatus[int]) -> None:
-        self._task_status = task_status
-
-    def started(self, binds: list[str]) -> None:
-        self._task_status.started(int(binds[0].rpartition(":")[2]))
-
-
-async def serve_ops(
-    app: ASGIApp,
-    host: str,
-    port: int,
-    *,
-    shutdown: trio.Event | None = None,
-    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve ``app`` on ``host:port`` (0 = any free port) with hypercorn; ``task_status``
-    gets the bound port. Returns after ``shutdown`` is set and the server has stopped
-    (see the module docstring). Raises OSError itself (not in a group) if the address
-    cannot be bound.
-    """
-    config = Config()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")  # our handlers, not its own
-    config.graceful_timeout = GRACEFUL_TIMEOUT
-    config.keep_alive_timeout = IDLE_TIMEOUT
-    config.read_timeout = int(IDLE_TIMEOUT)
-    config.h11_max_incomplete_size = MAX_HEADER_SIZE
-    try:
-        await serve(
-            app,  # type: ignore[arg-type]
-            config,
-            shutdown_trigger=shutdown.wait if shutdown is not None else None,
-            task_status=_PortStatus(task_status),  # type: ignore[arg-type]
-            mode="asgi",
-        )
-    except BaseExceptionGroup as group:  # hypercorn binds inside its nurseries
-        error = lone_error(group)
-        if isinstance(error, OSError):
-            raise error from None
-        raise
+#: Serve an :class:`OpsApp` (see :func:`iop_trio.transport.asgi.serve_asgi`).
+serve_ops = serve_asgi

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 
@@ -292,17 +293,28 @@ async def test_the_edge_command_serves_nodes_and_callers_with_identities(tmp_pat
     )
     with trio.fail_after(30):
         process = await trio.lowlevel.open_process(
-            [*IOP_NODE, "edge", "--listen", "127.0.0.1:0", "--identities", str(identities)],
+            [
+                *IOP_NODE,
+                "edge",
+                "--listen",
+                "127.0.0.1:0",
+                "--identities",
+                str(identities),
+                "--openai-listen",
+                "127.0.0.1:0",
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
         try:
             assert process.stdout is not None
-            line = b""
-            while not line.endswith(b"\n"):
-                line += await process.stdout.receive_some(1)
-            url = re.search(r"ws://127\.0\.0\.1:\d+", line.decode())
-            assert url is not None, line
+            lines = b""
+            while lines.count(b"\n") < 2:
+                lines += await process.stdout.receive_some(1)
+            url = re.search(r"ws://127\.0\.0\.1:\d+", lines.decode())
+            assert url is not None, lines
+            api = re.search(r"http://127\.0\.0\.1:\d+/v1", lines.decode())
+            assert api is not None, lines
             node = echo_node(("a", 1))
             async with node.running(), trio.open_nursery() as nursery:
                 link = NodeLink(node, f"{url.group()}/node", token="node-token", backoff=FAST)
@@ -314,6 +326,17 @@ async def test_the_edge_command_serves_nodes_and_callers_with_identities(tmp_pat
                 ):
                     assert (await stream.collect())[0] == "through the edge command"
                 assert stream.run_id.startswith("cli:")
+                # the same caller, through the OpenAI-compatible API
+                async with httpx.AsyncClient(
+                    headers={"Authorization": "Bearer caller-token"}
+                ) as http:
+                    answer = await http.post(
+                        f"{api.group()}/chat/completions",
+                        json={"model": "echo/a", "messages": [{"role": "user", "content": "hi"}]},
+                    )
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["choices"][0]["message"]["content"] == "hi"
+                assert answer.headers["x-iop-run-id"].startswith("cli:")
                 await link.aclose()
         finally:
             process.send_signal(signal.SIGTERM)
@@ -334,10 +357,27 @@ async def test_the_edge_command_says_what_is_wrong_in_one_line(tmp_path):
         taken.listen()
         port = taken.getsockname()[1]
         busy = await cli("edge", "--listen", f"127.0.0.1:{port}", "--token-file", str(token))
+        busy_api = await cli(
+            "edge",
+            "--listen",
+            "127.0.0.1:0",
+            "--token-file",
+            str(token),
+            "--openai-listen",
+            f"127.0.0.1:{port}",
+        )
     assert busy.returncode == 1
     lines = busy.stderr.decode().strip().splitlines()
     assert lines[-1].startswith(f"iop-node: cannot listen on 127.0.0.1:{port}: "), lines
     assert "Traceback" not in busy.stderr.decode()
+    assert busy_api.returncode == 1
+    assert (
+        busy_api.stderr.decode()
+        .strip()
+        .splitlines()[-1]
+        .startswith(f"iop-node: cannot listen on 127.0.0.1:{port}: ")
+    )
+    assert "Traceback" not in busy_api.stderr.decode()
     token.chmod(0o644)
     loose = await cli("edge", "--listen", "127.0.0.1:0", "--token-file", str(token))
     assert loose.returncode == 2 and b"chmod 600" in loose.stderr

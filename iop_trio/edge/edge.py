@@ -171,13 +171,13 @@ class Edge:
             {"/node": self._on_node, "/client": self._on_client},
             host,
             port,
-            authorize=self._authorize,
+            authorize=self.authorize,
             ssl_context=self.ssl_context,
             max_message_size=self.settings.max_message_size,
             task_status=Started(),  # type: ignore[arg-type]
         )
 
-    def _authorize(self, path: str, token: str | None) -> object | None:
+    def authorize(self, path: str, token: str | None) -> object | None:
         """Who a connection to ``path`` with ``token`` is (None: refused)."""
         if self.identities is None:
             return bool(self._shared(path, token)) or None
@@ -437,9 +437,9 @@ class Edge:
         if not message.target:
             raise InvalidRequest("run request without a target")
         # who asks is the edge's to say, not the caller's
-        message.tenant = self.client_tenant
-        if caller is not None:
-            self._admit(caller, message)
+        message.tenant, message.run_id = self.admit(
+            caller, message.target, message.priority, message.run_id
+        )
         handle = self.route(message.target)
         owner = self._run_owner.get(message.run_id) if message.run_id else None
         if owner is not None and owner != handle.node_id and owner in self.nodes:
@@ -462,21 +462,29 @@ class Edge:
                 with trio.move_on_after(5, shield=True), suppress(RemoteError, SessionClosed):
                     await handle.cancel(run_id, "client_lost")
 
-    @staticmethod
-    def _admit(caller: Caller, message: pb.RunRequest) -> None:
-        """Make ``message`` the caller's, or Forbidden if it asks for what it may not."""
-        if not caller.may_use(message.target):
-            raise Forbidden(f"caller {caller.name!r} may not use target {message.target!r}")
-        if message.priority > caller.max_priority:
+    def admit(
+        self, caller: Caller | None, target: str, priority: int, run_id: str
+    ) -> tuple[str, str]:
+        """The tenant and run id of a run ``caller`` asks for (None: no identities).
+
+        Raises Forbidden if the caller may not use ``target`` or ask for ``priority``,
+        InvalidRequest if its run id is too long with the caller's prefix. Without
+        identities the tenant is ``client_tenant`` and ``run_id`` is kept ("" lets the
+        node choose one).
+        """
+        if caller is None:
+            return self.client_tenant, run_id
+        if not caller.may_use(target):
+            raise Forbidden(f"caller {caller.name!r} may not use target {target!r}")
+        if priority > caller.max_priority:
             raise Forbidden(
                 f"caller {caller.name!r} may ask for priority {caller.max_priority} at most, "
-                f"not {message.priority}"
+                f"not {priority}"
             )
-        message.tenant = caller.tenant
-        run_id = caller.run_prefix + (message.run_id or uuid.uuid4().hex)
+        run_id = caller.run_prefix + (run_id or uuid.uuid4().hex)
         if len(run_id) > 128:
             raise InvalidRequest(f"run_id too long with the caller's prefix: {run_id!r}")
-        message.run_id = run_id
+        return caller.tenant, run_id
 
     async def _relay_list(self, session: ProtoSession, request: Request) -> None:
         message = request.message
