@@ -627,6 +627,8 @@ async def edge_command(ns: argparse.Namespace, out: TextIO) -> int:
 
 
 DEMO_TOKEN = "demo-token"
+#: Seconds ``check-config --probe`` waits for the edge's WebSocket to open.
+PROBE_CONNECT_TIMEOUT = 5.0
 
 
 async def demo(ns: argparse.Namespace, out: TextIO) -> int:
@@ -709,6 +711,12 @@ def _parser() -> argparse.ArgumentParser:
     with_config(p)
     p = sub.add_parser("check-config", help="validate the config and print what it sets up")
     with_config(p)
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="also ask each engine whether it serves its target's model, and open a "
+        "connection to the edge with the node's token (exit 1 if any cannot be reached)",
+    )
 
     runs = sub.add_parser("runs", help="inspect or cancel runs in the node's store")
     runs_sub = runs.add_subparsers(dest="runs_command", required=True)
@@ -843,7 +851,7 @@ def _command(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         return 0
     config = load_config(ns.config)
     if ns.command == "check-config":
-        return check_config(config, out)
+        return check_config(config, out, probe=ns.probe)
     if ns.command == "serve":
         setup_logging(config.logging.level, config.logging.format)
         return trio.run(serve, config)
@@ -852,8 +860,12 @@ def _command(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return trio.run(action, config, ns, out)
 
 
-def check_config(config: NodeConfig, out: TextIO) -> int:
-    """Build everything the config describes (nothing is started) and summarise it."""
+def check_config(config: NodeConfig, out: TextIO, *, probe: bool = False) -> int:
+    """Build everything the config describes (nothing is started) and summarise it.
+
+    With ``probe``, also ask each engine which models it serves and open a WebSocket
+    to the edge with the node's token; 1 if any target or the edge cannot be reached.
+    """
     from .store.memory import MemoryStore
 
     node = Node(
@@ -880,7 +892,46 @@ def check_config(config: NodeConfig, out: TextIO) -> int:
         out.write(f"  target {name} limit={limits.targets[name]}\n")
     for warning in config_warnings(config, limits):
         out.write(f"  warning: {warning}\n")
+    if probe:
+        return 0 if trio.run(probe_reach, config, node, out) else 1
     return 0
+
+
+async def probe_reach(config: NodeConfig, node: Node, out: TextIO) -> bool:
+    """Whether every target's engine serves its model and the edge takes the node's
+    token; one line each on ``out``."""
+    from .transport.tls import open_websocket
+
+    reached = True
+    try:
+        unavailable = await node.probe_engines()
+    finally:
+        for adapter in node.adapters.values():
+            await adapter.aclose()
+    for name, target in node.targets.items():
+        why = unavailable.get(name)
+        reached &= why is None
+        said = f"serves {target.model!r}" if why is None else f"UNAVAILABLE: {why}"
+        out.write(f"  probe target {name}: {said}\n")
+    if config.edge.url:
+        url = config.edge.url
+        try:
+            async with open_websocket(
+                url,
+                token=config.edge_token(),
+                ssl_context=config.edge_ssl_context(),
+                max_message_size=config.edge.max_message_size,
+                connect_timeout=PROBE_CONNECT_TIMEOUT,
+            ) as ws:
+                await ws.aclose()
+            out.write(f"  probe edge {url}: reachable, the token is accepted\n")
+        except Exception as exc:
+            failure = _submit_failure(exc, url)
+            if failure is exc:
+                raise
+            reached = False
+            out.write(f"  probe edge: UNREACHABLE: {failure}\n")
+    return reached
 
 
 def config_warnings(config: NodeConfig, limits: Limits) -> list[str]:

@@ -262,6 +262,13 @@ METRICS: tuple[MetricInfo, ...] = (
         "Attempts to connect to the edge, successful or not.",
     ),
     MetricInfo(
+        "iop_target_available",
+        "gauge",
+        ("target",),
+        "1 while the target's engine answered the last probe and serves its model; 0 while "
+        "it does not (runtime.probe_interval; always 1 without probes).",
+    ),
+    MetricInfo(
         "iop_store_writable",
         "gauge",
         (),
@@ -391,6 +398,8 @@ class _GateCollector:
         g["iop_node_live_runs"].add_metric([], live)
         g["iop_node_info"].add_metric([node.node_id, node.version], 1)
         g["iop_store_writable"].add_metric([], int(node.store.health().writable))
+        for target in node.targets:
+            g["iop_target_available"].add_metric([target], int(target not in node.unavailable))
         return [*g.values(), *self._link_families()]
 
     @staticmethod
@@ -684,8 +693,10 @@ class NodeMetrics:
 
     def readiness(self) -> tuple[bool, dict[str, dict[str, Any]]]:
         """Whether the node is ready for runs, and the state of each component that
-        decides it: ``node`` (running and admitting), ``store`` (writable), ``edge``
-        (the link is up; only when the node has one)."""
+        decides it: ``node`` (running and admitting), ``store`` (writable),
+        ``target:<name>`` (its engine answered the last probe and serves its model;
+        available until probed), ``edge`` (the link is up; only when the node has one).
+        """
         components: dict[str, dict[str, Any]] = {}
         try:
             manager = self.node.manager
@@ -702,6 +713,12 @@ class NodeMetrics:
             "ok": store.writable,
             "state": "writable" if store.writable else f"the run store {store}",
         }
+        for target in self.node.targets:
+            why = self.node.unavailable.get(target)
+            components[f"target:{target}"] = {
+                "ok": why is None,
+                "state": "available" if why is None else f"unavailable: {why}",
+            }
         link = self._collector.link
         if link is not None:
             up = link.session is not None

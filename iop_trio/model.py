@@ -410,6 +410,8 @@ class NodeInfo:
     targets: tuple[TargetSpec, ...]
     adapters: tuple[AdapterInfo, ...]
     limits: Limits
+    #: target name -> why its engine cannot serve it now (absent: available)
+    unavailable: Mapping[str, str] = attrs.field(factory=dict)
 
 
 # --- limits ----------------------------------------------------------------------------------

@@ -433,3 +433,52 @@ def test_debug_adds_the_traceback_to_the_one_line(tmp_path, capsys):
     assert main(["--debug", "runs", "list", "--config", missing]) == 2
     loud = capsys.readouterr().err
     assert "Traceback" in loud and loud.strip().endswith(quiet.strip())
+
+
+async def test_check_config_probe_reaches_each_engine_and_the_edge(tmp_path):
+    from .engines import JSON, Reply, refused_port, serve
+
+    served = b'{"object": "list", "data": [{"id": "qwen"}]}'
+    async with serve() as engine, stack(echo_node(("a", 1))) as s:
+        engine.handler = lambda exchange: Reply(
+            content_type=JSON, parts=[served], content_length=True
+        )
+        token = tmp_path / "edge.token"
+        token.write_text(TOKEN)
+        token.chmod(0o600)
+        with refused_port() as dead:
+            adapters = (
+                f"{{vllm: {{kind: openai, base_url: '{engine.url}'}}, "
+                f"gone: {{kind: openai, base_url: 'http://127.0.0.1:{dead}'}}}}"
+            )
+            targets = (
+                "[{adapter: vllm, model: qwen}, {adapter: vllm, model: llama}, "
+                "{adapter: gone, model: qwen}]"
+            )
+            config = write_config(
+                tmp_path,
+                edge=f"{{url: '{s.edge.node_url}', token_file: {token}}}",
+            )
+            text = config.read_text().replace(
+                "adapters: {echo: {kind: echo, delay: 0.01}}\n", f"adapters: {adapters}\n"
+            )
+            text = text.replace(
+                "targets:\n  - {adapter: echo, model: m, concurrency: 2}\n",
+                f"targets: {targets}\n",
+            )
+            config.write_text(text)
+            result = await cli("check-config", "--config", str(config), "--probe")
+        out = result.stdout.decode()
+        assert result.returncode == 1, (out, result.stderr)
+        assert "probe target vllm/qwen: serves 'qwen'" in out
+        assert "probe target vllm/llama: UNAVAILABLE: the engine does not serve model" in out
+        assert "probe target gone/qwen: UNAVAILABLE: engine unreachable:" in out
+        assert f"probe edge {s.edge.node_url}: reachable, the token is accepted" in out
+        # a wrong token is one line too
+        token.write_text("wrong")
+        config.write_text(text.replace("{adapter: gone, model: qwen}", "").replace(", ]", "]"))
+        result = await cli("check-config", "--config", str(config), "--probe")
+        out = result.stdout.decode()
+        assert result.returncode == 1
+        assert "probe edge: UNREACHABLE: the edge refused the connection: HTTP 401" in out
+        assert "Traceback" not in result.stderr.decode()

@@ -54,6 +54,8 @@ MAX_ERROR_BODY = 64 * 1024
 #: The longest wait for the answer to the request repeated without streaming after an
 #: empty streamed answer (see :meth:`HTTPAdapter.explain_empty`).
 PROBE_TIMEOUT = 30.0
+#: The longest wait for an engine's list of models (:meth:`HTTPAdapter.served_models`).
+HEALTH_TIMEOUT = 5.0
 #: The longest line (NDJSON line, SSE field) accepted before the stream is refused.
 MAX_LINE = 16 * 1024 * 1024
 #: How much of an engine message (or of a bad line) is quoted in an AdapterError.
@@ -527,6 +529,46 @@ class HTTPAdapter(Adapter):
     @abc.abstractmethod
     def probe_body(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """``body`` asked without streaming and for as little output as the engine allows."""
+
+    @abc.abstractmethod
+    def models_url(self) -> str:
+        """Where the engine lists the models it serves (GET)."""
+
+    @abc.abstractmethod
+    def model_names(self, body: Any) -> frozenset[str] | None:
+        """The model names in the engine's (decoded JSON) list; None if it is not one."""
+
+    probed = True
+
+    async def served_models(self) -> frozenset[str]:
+        """GET :meth:`models_url` within :data:`HEALTH_TIMEOUT` seconds: the names served.
+
+        AdapterError as for a run (``timeout``, ``connection``, ``engine_error``), or
+        ``bad_response`` for an answer that is not a list of models.
+        """
+        url = self.models_url()
+        where = f"{self.kind} engine at {redact_url(url)}"
+        timeout = httpx.Timeout(HEALTH_TIMEOUT)
+        with trio.move_on_after(HEALTH_TIMEOUT * 2) as bounded:
+            try:
+                response = await self.client.get(
+                    url, headers=self.request_headers(), timeout=timeout
+                )
+            except httpx.HTTPError as exc:
+                raise transport_error(exc, where, timeout, streaming=False) from None
+        if bounded.cancelled_caught:
+            raise AdapterError("timeout", f"{where}: no list of models within {HEALTH_TIMEOUT}s")
+        if not response.is_success:
+            raise AdapterError(
+                "engine_error", f"{where}: HTTP {response.status_code}: {quote(response.text)}"
+            )
+        try:
+            names = self.model_names(response.json())
+        except ValueError:
+            names = None
+        if names is None:
+            raise AdapterError("bad_response", f"{where}: the answer is not a list of models")
+        return names
 
     @abc.abstractmethod
     def chunks(

@@ -100,5 +100,20 @@ class Adapter(abc.ABC):
     ) -> AbstractAsyncContextManager[AsyncIterator[Chunk]]:
         """Start the run on the engine; yields its chunks. Raise AdapterError on engine faults."""
 
+    #: Whether :meth:`served_models` asks an engine (so a node probes it now and then).
+    probed: ClassVar[bool] = False
+
+    async def served_models(self) -> frozenset[str] | None:
+        """The models the engine serves now; None: any model (nothing to ask, like echo).
+
+        Raises AdapterError when the engine cannot be reached or answers badly
+        (the reasons of :meth:`open_stream`). Bounded in time by the adapter.
+        """
+        return None
+
+    def serves(self, model: str, served: frozenset[str]) -> bool:
+        """Whether ``model`` (a target's) is among ``served`` (the engine's names)."""
+        return model in served
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release shared resources (HTTP clients). Called once when the node stops."""

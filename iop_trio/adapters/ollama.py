@@ -134,6 +134,26 @@ class OllamaAdapter(HTTPAdapter):
     def url(self, request: AdapterRequest) -> str:
         return self.base_url + ("/api/chat" if request.is_chat else "/api/generate")
 
+    def models_url(self) -> str:
+        return self.base_url + "/api/tags"
+
+    def model_names(self, body: Any) -> frozenset[str] | None:
+        """``{"models": [{"name": "llama3:8b", "model": ...}, ...]}``: the names."""
+        models = body.get("models") if isinstance(body, Mapping) else None
+        if not isinstance(models, list):
+            return None
+        return frozenset(
+            m[key]
+            for m in models
+            if isinstance(m, Mapping)
+            for key in ("name", "model")
+            if isinstance(m.get(key), str)
+        )
+
+    def serves(self, model: str, served: frozenset[str]) -> bool:
+        """Ollama serves ``llama3`` as ``llama3:latest``."""
+        return model in served or (":" not in model and f"{model}:latest" in served)
+
     def request_body(self, request: AdapterRequest) -> dict[str, Any]:
         params = request.params
         given = params.get("options")

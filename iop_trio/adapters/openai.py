@@ -180,6 +180,18 @@ class OpenAIAdapter(HTTPAdapter):
     def url(self, request: AdapterRequest) -> str:
         return self.endpoint
 
+    def models_url(self) -> str:
+        return self.endpoint.removesuffix("/chat/completions") + "/models"
+
+    def model_names(self, body: Any) -> frozenset[str] | None:
+        """``{"data": [{"id": ...}, ...]}``: the ids."""
+        data = body.get("data") if isinstance(body, Mapping) else None
+        if not isinstance(data, list):
+            return None
+        return frozenset(
+            m["id"] for m in data if isinstance(m, Mapping) and isinstance(m.get("id"), str)
+        )
+
     def probe_body(self, body: Mapping[str, Any]) -> dict[str, Any]:
         probe = {k: v for k, v in body.items() if k != "stream_options"}
         return {**probe, "stream": False, "max_tokens": 1}

@@ -83,6 +83,11 @@ class NodeHandle(RunnerClient):
     def targets(self) -> set[str]:
         return {t.name for t in self.hello.targets}
 
+    @property
+    def unavailable(self) -> dict[str, str]:
+        """Its targets whose engine cannot serve them now, with why."""
+        return {t.name: t.unavailable for t in self.hello.targets if t.unavailable}
+
 
 class Edge:
     """See the module docstring. ``token`` None accepts anyone (tests, demos).
@@ -230,7 +235,18 @@ class Edge:
             await session.aclose(1008, "wrong node id for this token")
             return
         old = self.nodes.get(hello.node_id)
-        if old is not None and old.session is not session:
+        if old is not None and old.session is session:
+            # the same session says what it serves now (a target's engine came or went)
+            old.hello = hello
+            self._served |= old.targets
+            await session.reply(
+                request.nonce,
+                "hello_ack",
+                pb.HelloAck(edge_id=self.edge_id, session_id=session.key),
+            )
+            self._notify()
+            return
+        if old is not None:
             log.warning("edge: node %s reconnected; closing its old session", hello.node_id)
             await old.session.aclose(4000, "replaced by a newer session")
         session.name = f"node:{hello.node_id}"
@@ -290,16 +306,22 @@ class Edge:
     def route(self, target: str) -> NodeHandle:
         """The connected node for ``target`` with the fewest runs in flight through the edge.
 
-        Raises NodeGone if only nodes that are not connected now served it,
-        NoNode if none ever did.
+        Only a node whose engine for ``target`` is available is chosen. Raises
+        NodeGone if only nodes that are not connected now served it, or every node
+        serving it says its engine is unavailable (a node says so in its Hello, again
+        whenever that changes); NoNode if none ever did.
         """
         serving = [h for h in self.nodes.values() if target in h.targets]
-        if not serving:
+        available = [h for h in serving if target not in h.unavailable]
+        if not available:
+            if serving:
+                why = "; ".join(f"{h.node_id}: {h.unavailable[target]}" for h in serving)
+                raise NodeGone(f"target {target!r} is unavailable on every node ({why})")
             if target in self._served:
                 raise NodeGone(f"no node serving {target!r} is connected now; retry later")
             known = sorted({t for h in self.nodes.values() for t in h.targets})
             raise NoNode(f"no connected node serves {target!r} (served: {', '.join(known)})")
-        return min(serving, key=lambda h: h.in_flight)
+        return min(available, key=lambda h: h.in_flight)
 
     def _remember(self, run_id: str, node_id: str) -> None:
         self._run_owner[run_id] = node_id

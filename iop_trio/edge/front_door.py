@@ -14,7 +14,7 @@ An ASGI app (served like the node's ops routes, by
   ending ``data: [DONE]`` (and a usage chunk first with
   ``stream_options.include_usage``); without, one ``chat.completion``.
 - ``GET /v1/models`` and ``GET /v1/models/<id>``: the targets the caller may use
-  on the nodes connected now.
+  on the nodes connected now, whose engine is available on at least one.
 
 Who asks: ``Authorization: Bearer <token>``, the token a caller would give the
 edge's ``/client`` WebSocket (so with identities, the caller's name, tenant,
@@ -338,7 +338,7 @@ class OpenAIFrontDoor:
     def _models(self, caller: Caller | None) -> dict[str, dict[str, Any]]:
         models: dict[str, dict[str, Any]] = {}
         for handle in self.edge.nodes.values():
-            for target in handle.targets:
+            for target in handle.targets - set(handle.unavailable):
                 if caller is None or caller.may_use(target):
                     models[target] = {
                         "id": target,

@@ -206,6 +206,7 @@ def hello_from_info(info: NodeInfo) -> pb.Hello:
                 profile=target.profile,
                 concurrency=info.limits.targets.get(target.name, target.concurrency),
                 params=struct_from_dict(target.params),
+                unavailable=info.unavailable.get(target.name, ""),
             )
         )
     for adapter in info.adapters:

@@ -23,7 +23,7 @@ import attrs
 import trio
 
 from .. import __version__
-from ..adapters.base import Adapter
+from ..adapters.base import Adapter, AdapterError
 from ..model import (
     AdapterInfo,
     InvalidRequest,
@@ -59,6 +59,8 @@ class RuntimeLimits:
     ``tenants`` sets the share of each tenant named (others: weight 1, no bounds).
     ``early_reject`` rejects a run at once when its estimated queue wait already
     exceeds its queue timeout (see :class:`~iop_trio.runtime.gate.Gate`).
+    ``probe_interval``: every so many seconds the node asks each engine which
+    models it serves (:meth:`Node.probe_engines`); None never asks.
     """
 
     concurrency: int = 8
@@ -71,6 +73,7 @@ class RuntimeLimits:
     store_grace: float = 10.0
     tenants: Mapping[str, TenantLimits] = attrs.field(factory=dict)
     early_reject: bool = False
+    probe_interval: float | None = None
 
 
 @attrs.frozen
@@ -142,6 +145,11 @@ class Node:
             self.targets[target.name] = self._bounded(target)
         self._manager: RunManager | None = None
         self.started = trio.Event()
+        #: target name -> why its engine cannot serve it now (absent: available, or
+        #: not probed yet); see :meth:`probe_engines`
+        self.unavailable: dict[str, str] = {}
+        self._description = 0  # counts changes to what describe() says
+        self._described = trio.Event()
         # called with (event, record) for every run event, by every RunManager this node starts
         self.event_listeners: list[Callable[[RunEvent, RunRecord], None]] = []
 
@@ -225,6 +233,8 @@ class Node:
                     listeners=self.event_listeners,
                 )
                 self.started.set()
+                if self.runtime.probe_interval and any(a.probed for a in self._adapters.values()):
+                    nursery.start_soon(self._probe_loop, self.runtime.probe_interval)
                 try:
                     yield self
                 finally:
@@ -307,6 +317,74 @@ class Node:
             self.gate.set_global_limit(concurrency)
         return self.limits()
 
+    # --- engine probes -------------------------------------------------------------------
+
+    async def probe_engines(self) -> dict[str, str]:
+        """Ask every engine which models it serves (all at once); return and keep
+        :attr:`unavailable`: each target whose engine could not be reached, or does not
+        serve its model, with why. An adapter that asks nothing (echo) serves all.
+
+        A change is logged once (a warning when a target goes, info when it comes
+        back) and wakes :meth:`wait_described`, so an edge link can tell its edge.
+        Each engine's answer is bounded by its adapter (``HEALTH_TIMEOUT``).
+        """
+        answers: dict[str, frozenset[str] | AdapterError | None] = {}
+
+        async def ask(name: str, adapter: Adapter) -> None:
+            try:
+                answers[name] = await adapter.served_models()
+            except AdapterError as exc:
+                answers[name] = exc
+
+        used = {t.adapter for t in self.targets.values()}
+        async with trio.open_nursery() as nursery:
+            for name, adapter in self._adapters.items():
+                if name in used:
+                    nursery.start_soon(ask, name, adapter)
+        unavailable: dict[str, str] = {}
+        for name, target in self.targets.items():
+            answer = answers[target.adapter]
+            if isinstance(answer, AdapterError):
+                unavailable[name] = f"engine unreachable: {answer.message}"
+            elif answer is not None and not self._adapters[target.adapter].serves(
+                target.model, answer
+            ):
+                shown = ", ".join(sorted(answer)[:10]) or "none"
+                unavailable[name] = f"the engine does not serve model {target.model!r} ({shown})"
+        self._note_unavailable(unavailable)
+        return unavailable
+
+    def _note_unavailable(self, unavailable: dict[str, str]) -> None:
+        if unavailable == self.unavailable:
+            return
+        for name in self.targets:
+            before, now = self.unavailable.get(name), unavailable.get(name)
+            if now is not None and now != before:
+                log.warning("target %s is unavailable: %s", name, now)
+            elif now is None and before is not None:
+                log.info("target %s is available again", name)
+        self.unavailable = unavailable
+        self._description += 1
+        self._described.set()
+        self._described = trio.Event()
+
+    async def wait_described(self, seen: int) -> int:
+        """Wait until what :meth:`describe` says has changed since version ``seen``
+        (:attr:`description`), and return the version now."""
+        while self._description == seen:
+            await self._described.wait()
+        return self._description
+
+    @property
+    def description(self) -> int:
+        """The version of what :meth:`describe` says (it grows with each change)."""
+        return self._description
+
+    async def _probe_loop(self, interval: float) -> None:
+        while True:
+            await self.probe_engines()
+            await trio.sleep(interval)
+
     def describe(self) -> NodeInfo:
         """What the node tells an edge in its Hello."""
         return NodeInfo(
@@ -323,4 +401,5 @@ class Node:
                 for name, adapter in self._adapters.items()
             ),
             limits=self.limits(),
+            unavailable=dict(self.unavailable),
         )

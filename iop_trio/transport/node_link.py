@@ -170,6 +170,22 @@ class NodeLink:
             self.last_error = str(exc)
             return None
 
+    async def _restate(self, session: ProtoSession, described: int) -> None:
+        """Send Hello again on ``session`` whenever what the node serves changes (a
+        target's engine goes or comes back), so the edge routes by what is true now. A
+        Hello the edge does not acknowledge is logged; the next change sends another."""
+        while True:
+            described = await self.node.wait_described(described)
+            hello = hello_from_info(self.node.describe())
+            try:
+                await session.request("hello", hello, ack_timeout=self.hello_timeout)
+            except (RemoteError, SessionClosed, ReplyTimeout) as exc:
+                if session.closed:
+                    return
+                log.warning(
+                    "node %s: the edge did not take its new Hello: %s", self.node.node_id, exc
+                )
+
     async def _serve(self, ws: WebSocketConnection) -> float | None:
         session = ProtoSession(
             ws, Role.RUNNER, handler=self.service.handle, settings=self.settings, name="edge"
@@ -178,6 +194,7 @@ class NodeLink:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(session.run)
+                described = self.node.description
                 hello = hello_from_info(self.node.describe())
                 try:
                     ack = await session.request("hello", hello, ack_timeout=self.hello_timeout)
@@ -196,8 +213,10 @@ class NodeLink:
                     ack.edge_id,
                     ack.session_id,
                 )
+                nursery.start_soon(self._restate, session, described)
                 await session.ended.wait()
                 self.last_error = session.close_reason
+                nursery.cancel_scope.cancel()
         finally:
             self.session = None
             self._connected = trio.Event()

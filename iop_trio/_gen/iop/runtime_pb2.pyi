@@ -134,20 +134,22 @@ class AdapterInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., concurrency: _Optional[int] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("name", "adapter", "model", "profile", "concurrency", "params")
+    __slots__ = ("name", "adapter", "model", "profile", "concurrency", "params", "unavailable")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     name: str
     adapter: str
     model: str
     profile: str
     concurrency: int
     params: _struct_pb2.Struct
-    def __init__(self, name: _Optional[str] = ..., adapter: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., concurrency: _Optional[int] = ..., params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    unavailable: str
+    def __init__(self, name: _Optional[str] = ..., adapter: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., concurrency: _Optional[int] = ..., params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., unavailable: _Optional[str] = ...) -> None: ...
 
 class TenantLimits(_message.Message):
     __slots__ = ("weight", "max_queued", "concurrency")
