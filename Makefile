@@ -10,12 +10,14 @@ FLOOR  ?= .venv-floor
 .PHONY: run test faults test-floor lint typecheck unit proto bench smoke clean
 
 $(STAMP): pyproject.toml
+	@echo "installing iop-trio and its dependencies into $(VENV) (the first time takes a minute)..."
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-## run: the node with an embedded edge and echo targets, on loopback
+## run: an edge (proto-socket + OpenAI-compatible API) and a node with echo targets, on
+## loopback; runs are kept in ./var/demo.db and the node's metrics are served
 run: $(STAMP)
 	$(VENV)/bin/iop-node demo
 

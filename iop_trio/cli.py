@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import ssl
 import sys
 import time
@@ -163,9 +164,11 @@ async def _prune_loop(store: RunStore, config: NodeConfig) -> None:
 async def serve(
     config: NodeConfig,
     *,
+    stop: trio.Event | None = None,
     task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
 ) -> int:
-    """Run the node of ``config`` until SIGTERM/SIGINT, then drain; returns the exit code.
+    """Run the node of ``config`` until SIGTERM/SIGINT (or ``stop``), then drain; returns
+    the exit code.
 
     The first signal stops admission, cancels queued runs, gives running ones
     ``runtime.drain_timeout`` seconds and cancels the rest (status recorded);
@@ -235,7 +238,7 @@ async def serve(
                     extra={"node_id": config.node_id, "version": __version__},
                 )
                 task_status.started(node)
-                await _wait_and_drain(node, config.runtime.drain_timeout)
+                await _wait_and_drain(node, config.runtime.drain_timeout, stop)
                 if link is not None:
                     await link.aclose("node stopping")
                 nursery.cancel_scope.cancel()
@@ -249,12 +252,25 @@ async def serve(
     return 0
 
 
-async def _wait_and_drain(node: Node, grace: float) -> None:
+async def _wait_and_drain(node: Node, grace: float, stop: trio.Event | None = None) -> None:
+    """Wait for SIGTERM or SIGINT (or ``stop``), then drain ``node``; a second signal
+    cancels every run at once."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        first = await signals.__anext__()
+        why = "stop"
+        async with trio.open_nursery() as waiting:
+
+            async def on_signal() -> None:
+                nonlocal why
+                why = signal.Signals(await signals.__anext__()).name
+                waiting.cancel_scope.cancel()
+
+            waiting.start_soon(on_signal)
+            if stop is not None:
+                await stop.wait()
+                waiting.cancel_scope.cancel()
         log.warning(
             "%s: draining (running runs get %gs; a second signal cancels them now)",
-            signal.Signals(first).name,
+            why,
             grace,
         )
         async with trio.open_nursery() as nursery:
@@ -631,39 +647,79 @@ DEMO_TOKEN = "demo-token"
 PROBE_CONNECT_TIMEOUT = 5.0
 
 
-async def demo(ns: argparse.Namespace, out: TextIO) -> int:
-    """An edge and a node with echo targets in one process, on loopback, until Ctrl-C."""
-    from .adapters.echo import EchoAdapter, EchoSettings
-    from .edge import Edge
-    from .model import TargetSpec
-    from .runtime import AdapterSlot, RuntimeLimits
-    from .store.memory import MemoryStore
-    from .transport import NodeLink
+DEMO_CONFIG = """\
+# written by `iop-node demo`: the demo's node, for `iop-node runs list --config` this file
+node_id: demo-node
+adapters:
+  echo: {{kind: echo, delay: 0.05, concurrency: 8}}
+targets:
+  - {{adapter: echo, model: chat, concurrency: 2, params: {{delay: 0.08}}}}
+  - {{adapter: echo, model: fast, concurrency: 4, params: {{delay: 0}}}}
+runtime: {{concurrency: 4, max_queued: 100, queue_timeout: 30, drain_timeout: 5}}
+store: {{path: demo.db}}
+metrics: {{listen: "127.0.0.1:{metrics_port}"}}
+edge: {{url: "ws://127.0.0.1:{edge_port}/node", token_file: demo.token}}
+"""
 
+
+def _free_port() -> int:
+    """A port on 127.0.0.1 free just now (for the demo's metrics, asked for port 0)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _write_demo_files(folder: Path, edge_port: int, metrics_port: int) -> tuple[Path, Path]:
+    """The demo node's config and the edge's token (private), in ``folder``."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    token_file = folder / "demo.token"
+    token_file.write_text(DEMO_TOKEN + "\n")
+    token_file.chmod(0o600)
+    config_path = folder / "demo.yaml"
+    config_path.write_text(DEMO_CONFIG.format(metrics_port=metrics_port, edge_port=edge_port))
+    return config_path, token_file
+
+
+async def demo(ns: argparse.Namespace, out: TextIO) -> int:
+    """An edge (with its OpenAI-compatible API) and a node with echo targets, on loopback,
+    until Ctrl-C. The node is an ordinary ``serve`` of a config written to ``ns.var``: its
+    runs are kept in a SQLite file there and its metrics are served."""
+    from .edge import Edge
+    from .edge.front_door import OpenAIFrontDoor
+    from .transport.asgi import serve_asgi
+
+    folder = Path(ns.var)
     edge = Edge(token=DEMO_TOKEN, edge_id="demo-edge")
-    node = Node(
-        node_id="demo-node",
-        adapters=[AdapterSlot(EchoAdapter("echo", EchoSettings(delay=0.05)), 8)],
-        targets=[
-            TargetSpec("echo", "chat", concurrency=2, params={"delay": 0.08}),
-            TargetSpec("echo", "fast", concurrency=4, params={"delay": 0.0}),
-        ],
-        limits=RuntimeLimits(concurrency=4, max_queued=100, queue_timeout=30),
-        store=MemoryStore(),
-    )
-    async with trio.open_nursery() as nursery:
+    stop = trio.Event()
+    async with trio.open_nursery() as edge_nursery:
+        listening = f"127.0.0.1:{ns.port}"
         try:
-            port = await nursery.start(edge.serve, "127.0.0.1", ns.port)
+            port = await edge_nursery.start(edge.serve, "127.0.0.1", ns.port)
+            listening = f"127.0.0.1:{ns.api_port}"
+            api_port = await edge_nursery.start(
+                partial(serve_asgi, read_timeout=None),
+                OpenAIFrontDoor(edge),
+                "127.0.0.1",
+                ns.api_port,
+            )
         except OSError as exc:
-            raise CliError(f"cannot listen on 127.0.0.1:{ns.port}: {exc.strerror}") from None
-        async with node.running():
-            client = NodeLink(node, edge.node_url, token=DEMO_TOKEN)
-            nursery.start_soon(client.run)
+            raise CliError(f"cannot listen on {listening}: {exc.strerror or exc}") from None
+        metrics_port = ns.metrics_port or _free_port()
+        config_path, token_file = _write_demo_files(folder, port, metrics_port)
+        config = load_config(config_path)
+        async with trio.open_nursery() as node_nursery:
+            await node_nursery.start(partial(serve, config, stop=stop))
             handle = await edge.wait_for_node("demo-node")
+            exe = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "iop-node"
+            api = f"http://127.0.0.1:{api_port}/v1"
             out.write(
-                f"iop-trio {__version__} demo: edge on ws://127.0.0.1:{port}, "
-                f"node {handle.node_id!r} connected with targets "
-                f"{', '.join(sorted(handle.targets))}\n\n"
+                f"\niop-trio {__version__} demo: node {handle.node_id!r} serves "
+                f"{', '.join(sorted(handle.targets))}\n"
+                f"  edge (proto-socket)  ws://127.0.0.1:{port}  (token: {DEMO_TOKEN})\n"
+                f"  OpenAI-compatible    {api}\n"
+                f"  metrics              http://127.0.0.1:{metrics_port}/metrics  "
+                f"(and /readyz)\n"
+                f"  runs are kept in     {folder / 'demo.db'}\n\n"
             )
             async with edge.run(RunSpec("echo/chat", "hello from the iop-trio demo")) as stream:
                 out.write("demo run: ")
@@ -671,21 +727,23 @@ async def demo(ns: argparse.Namespace, out: TextIO) -> int:
                     out.write(event.text)
                     out.flush()
             out.write(f"  [{stream.last.kind.value if stream.last else '?'}]\n\n")
-            exe = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "iop-node"
+            chat = json.dumps(
+                {"model": "echo/chat", "messages": [{"role": "user", "content": "stream me"}]}
+            )
             out.write(
-                "submit your own from another terminal:\n"
-                f"  .venv/bin/{exe} submit --edge ws://127.0.0.1:{port} --token {DEMO_TOKEN} "
-                '--target echo/chat "stream me back"\n\n'
-                "Ctrl-C stops (running runs are drained first).\n"
+                "try, from another terminal:\n"
+                f"  .venv/bin/{exe} submit --edge ws://127.0.0.1:{port} --token-file "
+                f'{token_file} --target echo/chat "stream me back"\n'
+                f"  .venv/bin/{exe} runs list --config {config_path}\n"
+                f"  curl -s {api}/chat/completions -H 'Authorization: Bearer {DEMO_TOKEN}' "
+                f"-H 'Content-Type: application/json' -d '{chat}'\n\n"
+                "each run is logged here as it ends; Ctrl-C stops (running runs are drained "
+                "first).\n"
             )
             out.flush()
             if ns.once:
-                await client.aclose()
-                nursery.cancel_scope.cancel()
-                return 0
-            await _wait_and_drain(node, grace=5.0)
-            await client.aclose()
-            nursery.cancel_scope.cancel()
+                stop.set()
+        edge_nursery.cancel_scope.cancel()
     return 0
 
 
@@ -800,7 +858,22 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     p = sub.add_parser("demo", help="edge + node + echo targets on loopback (make run)")
-    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--port", type=int, default=8765, help="the edge's port (0: any free one)")
+    p.add_argument(
+        "--api-port",
+        type=int,
+        default=8080,
+        help="the OpenAI-compatible API's port (0: any free one)",
+    )
+    p.add_argument(
+        "--metrics-port", type=int, default=9464, help="the node's metrics port (0: any free one)"
+    )
+    p.add_argument(
+        "--var",
+        default="var",
+        metavar="DIR",
+        help="where the demo writes its config, token and run store (default: ./var)",
+    )
     p.add_argument("--once", action="store_true", help="exit after the demo run")
     return parser
 
@@ -833,7 +906,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
 def _command(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Run the command ``ns`` names; its failures are main's to say."""
     if ns.command == "demo":
-        setup_logging("warning")
+        setup_logging("info")
         return trio.run(demo, ns, out)
     if ns.command == "submit":
         setup_logging("warning")

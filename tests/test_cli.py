@@ -252,12 +252,22 @@ async def test_submit_says_when_to_retry_a_rejected_run():
         assert "priority must be an integer from -1000 to 1000" in bad.stderr.decode()
 
 
-async def test_demo_once_runs_end_to_end():
-    result = await cli("demo", "--once", "--port", "0")
+async def test_demo_once_runs_end_to_end_and_keeps_its_runs(tmp_path):
+    var = tmp_path / "var"
+    ports = ("--port", "0", "--api-port", "0", "--metrics-port", "0")
+    result = await cli("demo", "--once", *ports, "--var", str(var))
     out = result.stdout.decode()
     assert result.returncode == 0, result.stderr
     assert "demo run: hello from the iop-trio demo  [succeeded]" in out
     assert "submit --edge ws://127.0.0.1:" in out
+    assert re.search(r"OpenAI-compatible +http://127\.0\.0\.1:\d+/v1", out)
+    assert re.search(r"metrics +http://127\.0\.0\.1:\d+/metrics", out)
+    assert f"runs list --config {var / 'demo.yaml'}" in out
+    # the run ended in the log, and is in the store that runs list reads
+    assert re.search(r"run \w+ succeeded", result.stderr.decode())
+    listed = await cli("runs", "list", "--config", str(var / "demo.yaml"))
+    assert listed.returncode == 0, listed.stderr
+    assert "echo/chat" in listed.stdout.decode() and "succeeded" in listed.stdout.decode()
 
 
 def test_hash_token_prints_what_an_identities_file_keeps(monkeypatch):
