@@ -780,23 +780,34 @@ def _parser() -> argparse.ArgumentParser:
     runs_sub = runs.add_subparsers(dest="runs_command", required=True)
     p = runs_sub.add_parser("list", help="newest runs first")
     with_config(p)
-    p.add_argument("--status", action="append", choices=[s.value for s in RunStatus])
-    p.add_argument("--target")
+    p.add_argument(
+        "--status",
+        action="append",
+        choices=[s.value for s in RunStatus],
+        help="only runs with this status (repeat for several)",
+    )
+    p.add_argument("--target", help="only this target's runs (adapter/model[@profile])")
     p.add_argument("--tenant", help='only this tenant\'s runs ("" is the default tenant)')
-    p.add_argument("--limit", type=int, default=50)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--limit", type=int, default=50, help="at most this many (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
     p = runs_sub.add_parser("show", help="one run, with --events its event log")
     with_config(p)
-    p.add_argument("run_id")
-    p.add_argument("--events", action="store_true")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("run_id", help="the run's id (as runs list shows it)")
+    p.add_argument("--events", action="store_true", help="also print its event log")
+    p.add_argument("--json", action="store_true", help="the run (and events) as JSON")
     p = runs_sub.add_parser("cancel", help="cancel a live run")
     with_config(p)
-    p.add_argument("run_id")
-    p.add_argument("--reason", default="cancelled")
+    p.add_argument("run_id", help="the run's id")
+    p.add_argument(
+        "--reason", default="cancelled", help="recorded as the run's reason (default %(default)s)"
+    )
 
     p = sub.add_parser("submit", help="submit a run through an edge and stream it")
-    p.add_argument("--edge", default=os.environ.get("IOP_EDGE", "ws://127.0.0.1:8765"))
+    p.add_argument(
+        "--edge",
+        default=os.environ.get("IOP_EDGE", "ws://127.0.0.1:8765"),
+        help="the edge's ws:// or wss:// URL (default: $IOP_EDGE or %(default)s)",
+    )
     p.add_argument(
         "--token",
         default=os.environ.get("IOP_TOKEN"),
@@ -804,13 +815,13 @@ def _parser() -> argparse.ArgumentParser:
         "prefer IOP_TOKEN or --token-file",
     )
     p.add_argument("--token-file", metavar="FILE", help="read the token from a private file")
-    p.add_argument("--target", required=True)
+    p.add_argument("--target", required=True, help="adapter/model[@profile], e.g. echo/chat")
     p.add_argument(
         "--background",
         action="store_true",
         help="print the run id once accepted and exit; the run goes on (see runs show)",
     )
-    p.add_argument("--run-id")
+    p.add_argument("--run-id", help="the run's id (resubmitting an id follows the run it names)")
     p.add_argument("--option", action="append", metavar="KEY=VALUE", help="JSON or text value")
     p.add_argument(
         "--priority", type=int, default=0, help="higher starts first (-1000..1000; default 0)"
@@ -821,7 +832,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="wait at most this long for capacity (the target's bound applies if smaller)",
     )
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the prompt (one argument; quote it)")
 
     p = sub.add_parser(
         "edge",

@@ -492,3 +492,22 @@ async def test_check_config_probe_reaches_each_engine_and_the_edge(tmp_path):
         assert result.returncode == 1
         assert "probe edge: UNREACHABLE: the edge refused the connection: HTTP 401" in out
         assert "Traceback" not in result.stderr.decode()
+
+
+def test_every_flag_and_argument_has_help_text():
+    import argparse
+
+    from iop_trio.cli import _parser
+
+    missing = []
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{path} {name}")
+            elif not action.help:
+                missing.append(f"{path}: {action.dest}")
+
+    walk(_parser(), "iop-node")
+    assert missing == []
