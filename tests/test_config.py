@@ -110,6 +110,7 @@ def mutate(path: str, value: Any) -> dict[str, Any]:
         ("runtime.queue_timeout", "soon", "runtime.queue_timeout: must be a number, not 'soon'"),
         ("runtime.queue_timeout", -1, "runtime.queue_timeout: must be a number >= 0"),
         ("runtime.concurency", 3, "runtime: unknown key\\(s\\) concurency"),
+        ("runtime.probe_interval", 0, "runtime.probe_interval: must be a number of seconds > 0"),
         ("node_id", KeyError, "node_id: required key 'node_id' is missing"),
         ("targets.1.model", KeyError, "targets\\[1\\].model: required key 'model' is missing"),
         ("targets.0.adapter", "nope", "targets\\[0\\].adapter: 'nope' is not one of the adapters"),
@@ -162,6 +163,7 @@ def test_a_target_twice_is_refused():
         ({"IOP_RUNTIME__CONCURENCY": "3"}, "IOP_RUNTIME__CONCURENCY: names no configuration key"),
         ({"IOP_ADAPTERS__NOPE__BASE_URL": "x"}, "IOP_ADAPTERS__NOPE__BASE_URL: names no config"),
         ({"IOP_RUNTIME__CONCURRENCY": "many"}, "runtime.concurrency: must be an integer, not 'm"),
+        ({"IOP_RUNTIME__CONCURRENCY": "[1"}, "IOP_RUNTIME__CONCURRENCY, line 1, column 1: this"),
     ],
 )
 def test_bad_environment_overrides(env, message):
@@ -173,10 +175,10 @@ def test_file_problems_name_the_file(tmp_path):
     missing = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError, match=f"{missing}: cannot read"):
         load_config(missing, environ={})
-    broken = tmp_path / "broken.yaml"
-    broken.write_text("node_id: x\ntargets: [\n")
-    with pytest.raises(ConfigError, match=f"{broken}: not valid YAML \\(line 3"):
-        load_config(broken, environ={})
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"node_id: x\n# caf\xe9\n")
+    with pytest.raises(ConfigError, match=f"^{latin}, line 2: not UTF-8 text$"):
+        load_config(latin, environ={})
     listy = tmp_path / "list.yaml"
     listy.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="the top level must be a mapping"):
@@ -191,6 +193,11 @@ def test_a_minimal_config_gets_defaults(tmp_path):
     config = load_config(path, environ={})
     assert (config.edge.url, config.store.kind, config.runtime.max_queued) == ("", "sqlite", 1000)
     assert config.target_specs()[0].concurrency == 1
+    assert config.limits().probe_interval == 30  # engines are asked every 30 s
+    never = load_config(path, environ={"IOP_RUNTIME__PROBE_INTERVAL": "null"})
+    assert never.limits().probe_interval is None
+    often = load_config(path, environ={"IOP_RUNTIME__PROBE_INTERVAL": "5"})
+    assert often.limits().probe_interval == 5
 
 
 @pytest.mark.parametrize("token", ["987654321", "@abc", "*abc", "~", "null", "abc #x", "'q'"])
@@ -251,3 +258,59 @@ def test_relative_paths_are_relative_to_the_config_file(tmp_path, monkeypatch):
     data["store"] = {"path": "/abs/node.db"}
     path.write_text(yaml.safe_dump(data))
     assert load_config(path, environ={}).store.path == "/abs/node.db"
+
+
+#: A valid node.yaml, line by line; each case below breaks one line of it.
+GOOD_YAML = [
+    "node_id: n",  # 1
+    "edge:",  # 2
+    "  url: ws://127.0.0.1:8765/node",  # 3
+    "  token_file: edge-token",  # 4
+    "adapters:",  # 5
+    "  echo: {kind: echo}",  # 6
+    "targets:",  # 7
+    "  - adapter: echo",  # 8
+    "    model: m",  # 9
+]
+
+
+@pytest.mark.parametrize(
+    ("line", "text", "where", "words"),
+    [
+        (4, "\ttoken_file: edge-token", "line 4, column 1", "a tab is not allowed for indenting"),
+        (4, "    token_file: edge-token", "line 4, column 5", "this line is indented more than"),
+        (4, " token_file: edge-token", "line 4, column 2", "this line does not line up with"),
+        (3, "  url ws://127.0.0.1:8765/node", "line 3, column 3", "a ':' is missing after the key"),
+        (2, "edge", "line 2, column 1", "a ':' is missing after the key"),
+        (9, "    model m", "line 9, column 5", "a ':' is missing after the key"),
+        (3, '  url: "ws://127.0.0.1/node', "line 3, column 8", "an unclosed quote starts here"),
+        (3, "  url: 'ws://x' /node", "line 3, column 17", "unexpected text after the value"),
+        (6, "  echo: {kind: echo", "line 6, column 9", "this '{' is not closed"),
+        (6, "  echo: [{kind: echo}", "line 6, column 9", "this '[' is not closed"),
+        (3, "  url: ws://x: 1", "line 3, column 14", "a value holds ': '; put the value in quotes"),
+        (4, "  url: ws://y/node", "line 4, column 3", "'url' is given twice (first on line 3)"),
+        (9, "    model: m\n    model: n", "line 10, column 5", "'model' is given twice (fi"),
+        (4, "  - edge-token", "line 4, column 3", "a '- ' item where a key should be"),
+        (1, "node_id: @n", "line 1, column 10", "a value cannot start with '@'; quote it"),
+        (1, "node_id: *n", "line 1, column 10", "'*n' names no anchor"),
+    ],
+)
+def test_yaml_mistakes_name_the_line_in_plain_words(tmp_path, line, text, where, words):
+    lines = list(GOOD_YAML)
+    lines[line - 1] = text
+    path = tmp_path / "node.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError) as bad:
+        load_config(path, environ={})
+    message = str(bad.value)
+    assert message.startswith(f"{path}, {where}: {words}"), message
+    said = message.removeprefix(f"{path}, {where}: ")
+    assert "\n" not in said
+    for jargon in ("while ", "mapping values", "but found", "could not", "<", "scalar", "token"):
+        assert jargon not in said
+
+
+def test_the_good_yaml_of_the_mistakes_is_good(tmp_path):
+    path = tmp_path / "node.yaml"
+    path.write_text("\n".join(GOOD_YAML) + "\n")
+    assert load_config(path, environ={}).edge.url == "ws://127.0.0.1:8765/node"
