@@ -116,7 +116,23 @@ class StoreLock:
             self._fd = None
 
 
-def open_store(config: NodeConfig) -> RunStore:
+def require_store(config: NodeConfig) -> None:
+    """CliError unless the config names a store that a node has kept runs in."""
+    if config.store.kind == "memory":
+        raise CliError(f"{config.source}: store.kind is memory, so the node keeps no runs to read")
+    if not Path(config.store.path).exists():
+        raise CliError(
+            f"no run store at {config.store.path}: no node has run with this config yet "
+            f"(store.path in {config.source})"
+        )
+
+
+def open_store(config: NodeConfig, *, existing: bool = False) -> RunStore:
+    """The store the config names (made if need be). With ``existing`` (the ``runs``
+    commands, which read what a node kept) a store that is not there is a CliError,
+    not an empty store made on the spot."""
+    if existing:
+        require_store(config)
     if config.store.kind == "memory":
         from .store.memory import MemoryStore
 
@@ -300,7 +316,7 @@ def _when(ts: float | None) -> str:
 
 
 async def runs_list(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> int:
-    store = open_store(config)
+    store = open_store(config, existing=True)
     try:
         statuses = [RunStatus(s) for s in ns.status or ()]
         records = await store.list_runs(
@@ -337,7 +353,7 @@ async def runs_list(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> 
 
 
 async def runs_show(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> int:
-    store = open_store(config)
+    store = open_store(config, existing=True)
     try:
         record = await store.get(ns.run_id)
         events = await store.events(ns.run_id) if record is not None and ns.events else []
@@ -385,11 +401,12 @@ async def runs_show(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> 
 
 async def runs_cancel(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> int:
     """Through the running node's ops endpoint, or straight in the store if no node runs."""
-    if config.store.kind == "sqlite" and StoreLock(config.store.path).held_elsewhere():
+    require_store(config)
+    if StoreLock(config.store.path).held_elsewhere():
         return await _cancel_via_node(config, ns, out)
     lock = StoreLock(config.store.path)
     lock.acquire()
-    store = open_store(config)
+    store = open_store(config, existing=True)
     try:
         record = await store.get(ns.run_id)
         if record is None:

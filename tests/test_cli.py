@@ -133,7 +133,17 @@ def test_runs_list_show_and_offline_cancel(tmp_path, capsys):
 
 
 def test_the_store_folder_the_cli_makes_is_private(tmp_path):
+    from iop_trio.cli import open_store
+    from iop_trio.config import load_config
+
     path = write_config(tmp_path)
+
+    async def make_it() -> None:  # as serve makes it
+        store = open_store(load_config(path, environ={}))
+        await store.ready()
+        await store.aclose()
+
+    trio.run(make_it)
     code, _ = run_cli("runs", "list", "--config", str(path))
     assert code == 0
     folder = tmp_path / "var"
@@ -511,3 +521,16 @@ def test_every_flag_and_argument_has_help_text():
 
     walk(_parser(), "iop-node")
     assert missing == []
+
+
+def test_runs_commands_on_a_store_that_is_not_there_say_so(tmp_path, capsys):
+    config = write_config(tmp_path)  # its store, var/node.db, was never made
+    for argv in (["runs", "list"], ["runs", "show", "r1"], ["runs", "cancel", "r1"]):
+        code, out = run_cli(*argv, "--config", str(config))
+        err = capsys.readouterr().err
+        assert code == 1 and out == ""
+        assert err == (
+            f"iop-node: no run store at {tmp_path / 'var' / 'node.db'}: no node has run "
+            f"with this config yet (store.path in {config})\n"
+        )
+    assert not (tmp_path / "var").exists()  # nothing was made on the spot
