@@ -704,3 +704,31 @@ async def test_a_store_others_may_read_is_used_with_a_warning(tmp_path):
         finally:
             await store.aclose()
     assert any("may be read by others (mode 0644)" in r.getMessage() for r in records)
+
+
+async def test_writes_nobody_waits_for_gather_until_one_somebody_waits_for(tmp_path):
+    """Deltas (append_nowait) alone are not committed until LINGER passes or a write
+    somebody waits for comes; then all go in one commit, in order."""
+    store = SqliteStore(tmp_path / "runs.db", linger=3600)  # only a waited write ends it
+    try:
+        state = await running(store, "r1")
+        commits = store.statistics().commits
+        for word in ("a ", "b ", "c "):
+            store.append_nowait(state.delta(word, time=2.0))
+        # the old writer committed each at once; give it ample time to do so
+        await trio.to_thread.run_sync(threading.Event().wait, 0.3)
+        assert store.statistics().commits == commits
+        assert store.statistics().pending == 3
+        with trio.fail_after(LIMIT):
+            await store.append(state.delta("d", time=3.0))  # waited: ends the linger at once
+        assert store.statistics().commits == commits + 1
+        assert "".join(e.text for e in await store.events("r1", after_seq=2)) == "a b c d"
+        store.append_nowait(state.delta(" e", time=4.0))
+    finally:
+        with trio.fail_after(LIMIT):
+            await store.aclose()  # closing ends a linger too, and commits what was taken
+    reopened = SqliteStore(tmp_path / "runs.db")
+    try:
+        assert "".join(e.text for e in await reopened.events("r1", after_seq=2)) == "a b c d e"
+    finally:
+        await reopened.aclose()
