@@ -23,6 +23,7 @@ from iop_trio.protocol.convert import (
     dict_from_struct,
     event_from_pb,
     event_to_pb,
+    merge_deltas,
     request_from_spec,
     spec_from_request,
 )
@@ -207,3 +208,41 @@ def test_struct_numbers_come_back_as_ints_where_whole():
     from iop_trio.protocol.convert import struct_from_dict
 
     assert dict_from_struct(struct_from_dict({"n": 3, "x": 0.25})) == {"n": 3, "x": 0.25}
+
+
+_KINDS = [EventKind.DELTA, EventKind.DELTA, EventKind.DELTA, EventKind.STARTED]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pieces=st.lists(
+        st.tuples(st.sampled_from(["r1", "r2"]), st.sampled_from(_KINDS), st.text(max_size=5)),
+        max_size=30,
+    ),
+    max_text=st.integers(min_value=1, max_value=12),
+)
+def test_merged_deltas_keep_the_text_its_order_and_every_status_event(pieces, max_text):
+    events = [
+        event_to_pb(
+            RunEvent(run, seq, kind, float(seq), text=text if kind is EventKind.DELTA else "")
+        )
+        for seq, (run, kind, text) in enumerate(pieces, start=1)
+    ]
+    originals = [(e.run_id, e.seq, e.kind, e.text) for e in events]
+    merged = merge_deltas(events, max_text=max_text)
+    # per run, the same text in the same order, and the same status events in place
+    for run in ("r1", "r2"):
+        assert "".join(e.text for e in merged if e.run_id == run) == "".join(
+            text for r, _, kind, text in originals if r == run
+        )
+    statuses = [(r, q) for r, q, kind, _ in originals if kind != pb.EVENT_KIND_DELTA]
+    assert [(e.run_id, e.seq) for e in merged if e.kind != pb.EVENT_KIND_DELTA] == statuses
+    # a merged delta has the seq (and time) of its last piece; seqs only grow
+    seqs = [e.seq for e in merged]
+    assert seqs == sorted(seqs) and set(seqs) <= {q for _, q, _, _ in originals}
+    assert all(e.time == float(e.seq) for e in merged)
+    # only neighbours of one run merge, within max_text (one longer piece stays whole)
+    for before, after in zip(merged, merged[1:], strict=False):
+        if before.kind == after.kind == pb.EVENT_KIND_DELTA and before.run_id == after.run_id:
+            assert len(before.text) + len(after.text) > max_text
+    assert len(merged) <= len(events)

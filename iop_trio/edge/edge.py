@@ -28,6 +28,7 @@ from trio_websocket import WebSocketConnection
 
 from ..model import InvalidRequest, RunSpec, tenant_problem
 from ..protocol import Request, Role, pb
+from ..protocol.convert import merge_deltas
 from ..transport.caller import ACK_TIMEOUT, RunnerClient, RunStream
 from ..transport.server import serve_proto, shared_token
 from ..transport.session import (
@@ -475,7 +476,13 @@ class Edge:
                     if isinstance(reply, pb.RunAccepted):
                         run_id = reply.run_id
                         self._remember(run_id, handle.node_id)
-                    await session.reply(request.nonce, _kind_of(reply), reply)
+                        await session.reply(request.nonce, "run_accepted", reply)
+                        continue
+                    # while the client is behind, events gather and deltas go merged
+                    await session.wait_for_room()
+                    events = [reply, *replies.ready()]
+                    for event in merge_deltas(events):  # type: ignore[arg-type]
+                        await session.reply(request.nonce, "run_event", event)
                 finished = True
         finally:
             handle.in_flight -= 1

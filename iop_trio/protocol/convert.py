@@ -7,7 +7,7 @@ The runtime never sees protobuf; sessions convert at the edge of the wire.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from google.protobuf import json_format, struct_pb2
@@ -115,6 +115,42 @@ def event_to_pb(event: RunEvent) -> pb.RunEvent:
     if event.usage is not None:
         message.usage.CopyFrom(usage_to_pb(event.usage))
     return message
+
+
+#: The most text (characters) one merged delta carries, so its frame stays far below
+#: any max_message_size.
+MAX_MERGED_TEXT = 64 * 1024
+_DELTA_PB = pb.EVENT_KIND_DELTA
+
+
+def merge_deltas(
+    events: Iterable[pb.RunEvent], max_text: int = MAX_MERGED_TEXT
+) -> list[pb.RunEvent]:
+    """``events`` with each run of consecutive DELTA events of one run merged into one.
+
+    A merged delta has the texts joined in order, and the ``seq`` and ``time`` of
+    its last piece, so a caller that resumes ``after_seq`` it misses nothing and
+    gets nothing twice. Status events are never merged nor moved; a merged text
+    stays within ``max_text`` characters (one piece longer than that is kept
+    whole). The messages are changed in place; pass ones you own.
+    """
+    merged: list[pb.RunEvent] = []
+    last: pb.RunEvent | None = None
+    for event in events:
+        if (
+            last is not None
+            and event.kind == _DELTA_PB
+            and last.kind == _DELTA_PB
+            and last.run_id == event.run_id
+            and len(last.text) + len(event.text) <= max_text
+        ):
+            last.text += event.text
+            last.seq = event.seq
+            last.time = event.time
+            continue
+        merged.append(event)
+        last = event
+    return merged
 
 
 def event_from_pb(message: pb.RunEvent) -> RunEvent:

@@ -83,6 +83,8 @@ class _Outcome:
 EVENT_WINDOW = 1024
 #: How many stored events a watcher reads at a time.
 STORE_PAGE = 1000
+#: The most events :meth:`RunWatcher.ready` hands over at once.
+READY_LIMIT = 1024
 #: A run waits until its events are durable at least every this many deltas.
 SYNC_EVERY = 64
 
@@ -205,6 +207,23 @@ class RunWatcher:
     def _take(self, event: RunEvent) -> RunEvent:
         self.next_seq = event.seq + 1
         return event
+
+    def ready(self, limit: int = READY_LIMIT) -> list[RunEvent]:
+        """The next events that are here now, without waiting (at most ``limit``): those
+        of a backlog read from the store, else those still in the live run's window.
+        An empty list says nothing is here yet; iterate to wait for more."""
+        taken: list[RunEvent] = []
+        while self._backlog and len(taken) < limit:
+            taken.append(self._take(self._backlog.popleft()))
+        live = self._live
+        if taken or live is None:
+            return taken
+        while len(taken) < limit:
+            event = live.event(self.next_seq)
+            if event is None:
+                break
+            taken.append(self._take(event))
+        return taken
 
 
 def notify(

@@ -99,6 +99,10 @@ class SessionSettings:
     max_outbox: int = 64 * 1024 * 1024
     send_timeout: float | None = 30.0
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    #: a stream of run events waits (:meth:`ProtoSession.wait_for_room`) while this
+    #: many bytes are unwritten before it takes its next events, so a stream that is
+    #: behind sends its waiting deltas merged, in fewer frames, not a backlog of tiny ones
+    stream_buffer: int = 64 * 1024
 
 
 @attrs.define(eq=False)
@@ -136,6 +140,7 @@ class ReplyStream:
         )
         self._done = False
         self._answered = False
+        self._held: Reply[ReplyStream] | BaseException | None = None  # taken, not yet given
         self.ack_timeout = ack_timeout
         self.idle_timeout = idle_timeout
 
@@ -162,8 +167,12 @@ class ReplyStream:
             raise StopAsyncIteration
         timeout = self.idle_timeout if self._answered else self.ack_timeout
         try:
-            with trio.fail_after(math.inf if timeout is None else timeout):
-                item = await self._receive.receive()
+            if self._held is not None:
+                item, self._held = self._held, None
+                await trio.lowlevel.checkpoint()
+            else:
+                with trio.fail_after(math.inf if timeout is None else timeout):
+                    item = await self._receive.receive()
         except trio.TooSlowError:
             self.close()
             what = "went on with its replies to" if self._answered else "answered"
@@ -186,6 +195,25 @@ class ReplyStream:
             error = item.message
             raise RemoteError(error.code, error.message, error.retry_after_s or None)
         return item.message
+
+    def ready(self, limit: int = 1024) -> list[Message]:
+        """The next replies that are here now, without waiting (at most ``limit``), up
+        to and including a final one. An error, or the stream's end, is not taken: the
+        next ``__anext__`` raises it, after the replies before it."""
+        taken: list[Message] = []
+        while not self._done and self._held is None and len(taken) < limit:
+            try:
+                item = self._receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            if isinstance(item, BaseException) or item.kind == "error":
+                self._held = item
+                break
+            self._answered = True
+            if item.final:
+                self._done = True
+            taken.append(item.message)
+        return taken
 
     async def first(self) -> Message:
         try:
@@ -227,6 +255,7 @@ class ProtoSession:
         self._writer_lot = trio.lowlevel.ParkingLot()
         self._flushed: list[trio.Event] = []  # set when the writer has nothing left to write
         self._room_lot = trio.lowlevel.ParkingLot()
+        self._stream_lot = trio.lowlevel.ParkingLot()  # streams waiting for stream_buffer
         self._closed = False
         self._nursery: trio.Nursery | None = None
         self.close_reason = ""
@@ -280,6 +309,7 @@ class ProtoSession:
             # for a close handshake once its reader is cancelled anyway)
             self._closed = True
             self._room_lot.unpark_all()
+            self._stream_lot.unpark_all()
             for stream in self._conn.forget_all():
                 # one exception each: a shared one would grow its traceback with every raise
                 stream._deliver(SessionClosed(f"session {self.name} ended: {self.close_reason}"))
@@ -534,9 +564,25 @@ class ProtoSession:
         await trio.lowlevel.cancel_shielded_checkpoint()
 
     def _make_room(self) -> None:
-        """Wake the next waiting sender if the outbox is below ``send_buffer``."""
+        """Wake the next waiting sender if the outbox is below ``send_buffer``, and the
+        next stream waiting in :meth:`wait_for_room` if it is below ``stream_buffer``."""
         if self._room_lot and self._outbox_bytes < self.settings.send_buffer:
             self._room_lot.unpark()
+        if self._stream_lot and self._outbox_bytes < self.settings.stream_buffer:
+            self._stream_lot.unpark()
+
+    async def wait_for_room(self) -> None:
+        """Wait, in line with other streams, while ``stream_buffer`` bytes or more are
+        unwritten; the writer wakes one waiting stream per frame it takes. A stream of
+        run events calls this before it takes its next events, so that while the peer
+        or the socket is behind, its events gather and go out merged. Raises
+        SessionClosed if the session is (or gets) closed."""
+        if self._outbox_bytes >= self.settings.stream_buffer or self._stream_lot:
+            await self._stream_lot.park()
+        else:
+            await trio.lowlevel.checkpoint()
+        if self._closed:
+            raise SessionClosed(f"session {self.name} is closed")
 
     async def reply(self, reply_to: int, kind: str, message: Message) -> None:
         """Answer the peer's request ``reply_to`` (raises SessionClosed if gone)."""
