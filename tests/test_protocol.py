@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import pytest
 from hypothesis import given, settings
@@ -242,7 +243,7 @@ def test_merged_deltas_keep_the_text_its_order_and_every_status_event(pieces, ma
     assert seqs == sorted(seqs) and set(seqs) <= {q for _, q, _, _ in originals}
     assert all(e.time == float(e.seq) for e in merged)
     # only neighbours of one run merge, within max_text (one longer piece stays whole)
-    for before, after in zip(merged, merged[1:], strict=False):
+    for before, after in itertools.pairwise(merged):
         if before.kind == after.kind == pb.EVENT_KIND_DELTA and before.run_id == after.run_id:
             assert len(before.text) + len(after.text) > max_text
     assert len(merged) <= len(events)

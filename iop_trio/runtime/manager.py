@@ -107,6 +107,9 @@ class _LiveRun:
     cancel_reason: str = ""
     ended_in_bulk: bool = False  # taken out of the queue and ended by the manager
     unsynced: int = 0  # deltas taken by the store since the last one that was waited for
+    # STARTED, taken by the store and not yet published: published once durable, before
+    # anything after it (see RunManager._start)
+    held: tuple[RunEvent, trio.Event] | None = None
     stop_outcome: _Outcome | None = None  # set with a cancel that ends the run otherwise
     events: collections.deque[RunEvent] = attrs.field(
         factory=lambda: collections.deque(maxlen=EVENT_WINDOW)
@@ -426,7 +429,7 @@ class RunManager:
         except GateWithdrawn:  # cancelled while waiting: it never starts
             return _Outcome(RunStatus.CANCELLED, live.cancel_reason or "cancelled")
         with permit:
-            await self._emit(live, live.state.transition(RunStatus.RUNNING, time=self._now()))
+            self._start(live)
             request = AdapterRequest(
                 run_id=live.state.record.run_id,
                 model=target.model,
@@ -477,8 +480,33 @@ class RunManager:
             return _Outcome(RunStatus.FAILED, exc.reason, exc.message)
         return _Outcome(RunStatus.SUCCEEDED, usage=usage)
 
+    def _start(self, live: _LiveRun) -> None:
+        """Make the run's STARTED event and have the store write it at once, without
+        waiting: the engine's request goes out while the commit is on its way. STARTED
+        is published (so a watcher sees it) only once it is durable, and before any
+        later event (:meth:`_emit` waits for it), so its guarantee is the same as if it
+        were waited for here; the engine's first token, which takes longer, hides the
+        commit. A crash in between leaves the run QUEUED, so INTERRUPTED at restart."""
+        event = live.state.transition(RunStatus.RUNNING, time=self._now())
+        durable = trio.Event()
+        live.unsynced = 0
+        live.held = (event, durable)
+
+        def on_durable() -> None:
+            durable.set()
+            self._publish_held(live, event)
+
+        self._store.append_nowait(event, on_durable=on_durable)
+
+    def _publish_held(self, live: _LiveRun, event: RunEvent) -> None:
+        """Publish the held ``event`` unless that was done already."""
+        if live.held is not None and live.held[0] is event:
+            live.held = None
+            self._published(live, event)
+
     async def _emit(self, live: _LiveRun, event: RunEvent) -> None:
-        """Store ``event``, then publish it.
+        """Store ``event``, then publish it (after a STARTED still held, once that one is
+        durable: see :meth:`_start`).
 
         A delta is published as soon as the store has taken it; every
         :data:`SYNC_EVERY`-th delta, like every status event, waits until it is
@@ -487,6 +515,12 @@ class RunManager:
         not yet durable (all within its window of events), and a crash leaves
         a whole log whose text is a prefix of what was streamed.
         """
+        if live.held is not None:
+            started, durable = live.held
+            try:
+                await durable.wait()
+            finally:  # taken by the store: published even if the wait was cancelled
+                self._publish_held(live, started)
         if event.kind is EventKind.DELTA and live.unsynced < SYNC_EVERY:
             live.unsynced += 1
             self._store.append_nowait(event)

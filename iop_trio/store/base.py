@@ -88,10 +88,17 @@ class RunStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def append_nowait(self, event: RunEvent) -> None:
+    def append_nowait(
+        self, event: RunEvent, *, on_durable: Callable[[], None] | None = None
+    ) -> None:
         """Take ``event`` to be appended, in order after every earlier append, and return
         without waiting for it to be durable (a later :meth:`append` or :meth:`sync` that
-        returns says it is). A store that can refuse it only later logs the refusal."""
+        returns says it is). A store that can refuse it only later logs the refusal.
+
+        ``on_durable``, if given, is called in the Trio thread once the event is durable
+        (or its write has failed, which is logged), and the store writes it as soon as it
+        can rather than let it gather with others: for a status event that is made
+        known only once it is durable."""
 
     @abc.abstractmethod
     async def append_many(self, events: Sequence[RunEvent]) -> None:

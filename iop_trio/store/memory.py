@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import attrs
 import trio
@@ -45,7 +45,16 @@ class MemoryStore(RunStore):
         if refused:
             raise refused_error(refused)
 
-    def append_nowait(self, event: RunEvent) -> None:
+    def append_nowait(
+        self, event: RunEvent, *, on_durable: Callable[[], None] | None = None
+    ) -> None:
+        try:
+            self._append_now(event)
+        finally:
+            if on_durable is not None:
+                on_durable()
+
+    def _append_now(self, event: RunEvent) -> None:
         record = self._runs.get(event.run_id)
         if record is None:
             raise StoreError(f"event for unknown run {event.run_id}")

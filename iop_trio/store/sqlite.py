@@ -237,6 +237,7 @@ class _Job(Generic[T]):
     """
 
     __slots__ = (
+        "done",
         "error",
         "events",
         "label",
@@ -270,6 +271,8 @@ class _Job(Generic[T]):
         self.task: trio.lowlevel.Task | None = trio.lowlevel.current_task()
         # whether a task waits for this job's commit (the writer lingers only if none does)
         self.waited = True
+        # called (in the Trio thread) once it is committed
+        self.done: Callable[[], None] | None = None
         # guarded by the store's lock
         self.taken = False
         self.withdrawn = False
@@ -483,11 +486,14 @@ class SqliteStore(RunStore):
         plan = ("append", event)
         await self._write(_Job("append", work, withdrawable=False, events=1, plan=plan))
 
-    def append_nowait(self, event: RunEvent) -> None:
+    def append_nowait(
+        self, event: RunEvent, *, on_durable: Callable[[], None] | None = None
+    ) -> None:
         """Queue ``event`` for the writer and return; see :meth:`RunStore.append_nowait`.
 
         StoreError if the store is closed; a refusal (decided by the writer) is
-        logged. Must be called from the Trio thread.
+        logged. Must be called from the Trio thread. Without ``on_durable`` the write may
+        gather with others for up to :data:`LINGER` seconds.
         """
 
         def work(conn: sqlite3.Connection) -> None:
@@ -495,7 +501,8 @@ class SqliteStore(RunStore):
 
         job = _Job("append", work, withdrawable=False, events=1, plan=("append", event))
         job.task = None  # nobody waits for it
-        job.waited = False
+        job.done = on_durable
+        job.waited = on_durable is not None  # somebody will want it: commit it at once
         self._start()
         with self._lock:
             if self._closing:
@@ -685,6 +692,11 @@ class SqliteStore(RunStore):
     def _wake(jobs: list[_Job[Any]]) -> None:
         # runs in the Trio thread (run_sync_soon)
         for job in jobs:
+            if job.done is not None:
+                try:
+                    job.done()
+                except Exception:
+                    log.exception("the callback of %s failed", job.label)
             task, job.task = job.task, None
             if task is not None:
                 trio.lowlevel.reschedule(task)
@@ -799,7 +811,10 @@ class SqliteStore(RunStore):
         for job in batch:
             by_token.setdefault(job.token, []).append(job)
         for token, jobs in by_token.items():
-            if not any(job.task is not None or job.error is not None for job in jobs):
+            if not any(
+                job.task is not None or job.error is not None or job.done is not None
+                for job in jobs
+            ):
                 continue  # nobody to wake, nothing to log: spare the Trio thread a wake-up
             with contextlib.suppress(trio.RunFinishedError):  # nobody left to tell
                 token.run_sync_soon(self._wake, jobs)
