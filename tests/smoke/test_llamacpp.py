@@ -252,3 +252,64 @@ async def test_a_prompt_over_the_context_fails_with_the_engines_reason(llama_ser
     assert record.status is RunStatus.FAILED
     assert record.reason == "engine_error", record.message
     assert "context" in record.message.lower(), record.message
+
+
+async def test_the_probe_finds_the_model_the_engine_serves(llama_server):
+    """GET /v1/models on llama.cpp's server lists the --model_alias; a target of another
+    model is unavailable, with why."""
+    adapter = OpenAIAdapter("llama", OpenAISettings(base_url=llama_server))
+    node = Node(
+        node_id="smoke",
+        adapters=[adapter],
+        targets=[TargetSpec("llama", "gemma"), TargetSpec("llama", "no-such-model")],
+        store=MemoryStore(),
+    )
+    assert "gemma" in await adapter.served_models()
+    unavailable = await node.probe_engines()
+    assert set(unavailable) == {"llama/no-such-model"}, unavailable
+    await adapter.aclose()
+
+
+async def test_the_openai_front_door_over_the_real_engine(llama_server):
+    """The official openai client, through the edge's front door and a node, to llama.cpp."""
+    import functools
+
+    import openai
+
+    from iop_trio.edge import Edge
+    from iop_trio.edge.front_door import OpenAIFrontDoor
+    from iop_trio.transport import NodeLink
+    from iop_trio.transport.asgi import serve_asgi
+
+    node = make_node(llama_server)
+    edge = Edge(token="smoke")
+    with trio.fail_after(RUN_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(edge.serve)
+            port = await nursery.start(
+                functools.partial(serve_asgi, read_timeout=None),
+                OpenAIFrontDoor(edge),
+                "127.0.0.1",
+                0,
+            )
+            async with node.running():
+                link = NodeLink(node, edge.node_url, token="smoke")
+                nursery.start_soon(link.run)
+                await link.wait_connected()
+                client = openai.OpenAI(
+                    base_url=f"http://127.0.0.1:{port}/v1", api_key="smoke", max_retries=0
+                )
+
+                def ask() -> list[str]:
+                    stream = client.chat.completions.create(
+                        model=TARGET,
+                        messages=[{"role": "user", "content": "Name a color."}],
+                        stream=True,
+                        max_tokens=16,
+                    )
+                    return [c.choices[0].delta.content or "" for c in stream if c.choices]
+
+                pieces = await trio.to_thread.run_sync(ask)
+                assert "".join(pieces).strip()
+                await link.aclose()
+            nursery.cancel_scope.cancel()
