@@ -508,3 +508,23 @@ def test_transport_error_for_a_stalled_stream_says_so():
         "timeout",
         "here: the stream stalled: no data for 2.5s",
     )
+
+
+async def test_what_arrives_in_one_read_is_one_delta(wire, server):
+    """A node that is behind its engine finds several tokens in one read: they go on as one
+    delta (same text, same order); what came before a fault in that read is kept."""
+    together = b"".join(wire.piece(word) for word in ("one", " two", " three"))
+    reply = Reply(content_type=wire.content_type, parts=[together + wire.end(Usage("stop", 2, 3))])
+    async with wire.adapter(server.url) as adapter:
+        node = make_node(adapter, model=wire.model)
+        server.push(reply)
+        async with node.running():
+            record, events = await run_to_end(node, spec(wire))
+    assert record.status is RunStatus.SUCCEEDED
+    assert deltas(events) == ["one two three"]
+    parts = [wire.piece("kept") + wire.piece(" too") + wire.error_part]
+    record, events = await run_failing(
+        wire, server, Reply(content_type=wire.content_type, parts=parts)
+    )
+    assert (record.status, record.reason) == (RunStatus.FAILED, "engine_error")
+    assert deltas(events) == ["kept too"]

@@ -203,33 +203,36 @@ class OllamaAdapter(HTTPAdapter):
                 batch = lines.feed(data) if data else [lines.flush() or b""]
             except LineTooLong as exc:
                 raise AdapterError("bad_response", f"{where}: {exc}") from None
-            for raw in batch:
-                if not raw.strip():
-                    continue
-                seen = True
-                obj = parse_json(raw, where)
-                if not isinstance(obj, dict):
-                    raise AdapterError(
-                        "bad_response",
-                        f"{where}: a stream line is not an object: {quote(str(obj))}",
-                    )
-                message = json_error(obj)
-                if message is not None:
-                    raise AdapterError("engine_error", f"{where}: engine error: {message}")
-                text = self._text(obj, chat, where)
-                if text:
-                    yield Delta(text)
-                if obj.get("done") is True:
-                    reason = obj.get("done_reason")
-                    yield Completion(
-                        Usage(
-                            reason if isinstance(reason, str) else "",
-                            prompt_tokens=_count(obj, "prompt_eval_count"),
-                            completion_tokens=_count(obj, "eval_count"),
+            # the texts of the lines that came in one read go on as one delta (see openai)
+            texts: list[str] = []
+            try:
+                for raw in batch:
+                    if not raw.strip():
+                        continue
+                    seen = True
+                    obj = self._line(raw, where)
+                    text = self._text(obj, chat, where)
+                    if text:
+                        texts.append(text)
+                    if obj.get("done") is True:
+                        if texts:
+                            yield Delta("".join(texts))
+                        reason = obj.get("done_reason")
+                        yield Completion(
+                            Usage(
+                                reason if isinstance(reason, str) else "",
+                                prompt_tokens=_count(obj, "prompt_eval_count"),
+                                completion_tokens=_count(obj, "eval_count"),
+                            )
                         )
-                    )
-                    await response.drain()
-                    return
+                        await response.drain()
+                        return
+            except AdapterError:
+                if texts:  # what came before the fault is the run's
+                    yield Delta("".join(texts))
+                raise
+            if texts:
+                yield Delta("".join(texts))
             if not data:
                 break
         if not seen:
@@ -237,6 +240,19 @@ class OllamaAdapter(HTTPAdapter):
         raise AdapterError(
             "bad_response", f"{where}: the stream ended before its final (done) line: truncated"
         )
+
+    @staticmethod
+    def _line(raw: bytes, where: str) -> dict[str, Any]:
+        """One NDJSON line as an object; AdapterError if it is not one or says an error."""
+        obj = parse_json(raw, where)
+        if not isinstance(obj, dict):
+            raise AdapterError(
+                "bad_response", f"{where}: a stream line is not an object: {quote(str(obj))}"
+            )
+        message = json_error(obj)
+        if message is not None:
+            raise AdapterError("engine_error", f"{where}: engine error: {message}")
+        return obj
 
     @staticmethod
     def _text(obj: Mapping[str, Any], chat: bool, where: str) -> str:

@@ -43,6 +43,7 @@ from ._http import (
     HTTPSettings,
     LineTooLong,
     SSEDecoder,
+    SSEEvent,
     json_error,
     parse_json,
     quote,
@@ -196,6 +197,33 @@ class OpenAIAdapter(HTTPAdapter):
         probe = {k: v for k, v in body.items() if k != "stream_options"}
         return {**probe, "stream": False, "max_tokens": 1}
 
+    @staticmethod
+    def _event_text(event: SSEEvent, progress: _Progress, where: str) -> str | None:
+        """The text of one server-sent event of the stream; None for ``[DONE]``.
+        AdapterError for an error event, an error object or a bad chunk."""
+        if event.event == "error":
+            try:
+                message = json_error(parse_json(event.data, where)) or event.data
+            except AdapterError:
+                message = event.data
+            raise AdapterError(
+                "engine_error", f"{where}: engine error mid-stream: {quote(message)}"
+            )
+        if event.data.strip() == "[DONE]":
+            if not progress.finish_reason:
+                # llama.cpp's server ends a stream it interrupts this way
+                raise AdapterError(
+                    "bad_response",
+                    f"{where}: the engine ended the stream without finishing "
+                    "(no finish_reason before [DONE])",
+                )
+            return None
+        chunk = _object(parse_json(event.data, where), where)
+        error = json_error(chunk)
+        if error is not None:
+            raise AdapterError("engine_error", f"{where}: engine error mid-stream: {quote(error)}")
+        return progress.take(chunk, "delta", where)
+
     async def chunks(
         self, response: EngineResponse, request: AdapterRequest
     ) -> AsyncGenerator[Chunk, None]:
@@ -217,41 +245,31 @@ class OpenAIAdapter(HTTPAdapter):
             return
         decoder = SSEDecoder()
         seen = False
+        # the texts of the events that came in one read go on as one delta: a node that
+        # is behind its engine takes fewer, larger deltas; one that keeps up, one a token
+        texts: list[str] = []
         while data := await response.read():
             seen = seen or bool(data.strip())
             try:
-                events = decoder.feed(data)
+                for event in decoder.feed(data):
+                    piece = self._event_text(event, progress, where)
+                    if piece is None:  # [DONE]
+                        if texts:
+                            yield Delta("".join(texts))
+                        yield progress.completion()
+                        await response.drain()
+                        return
+                    if piece:
+                        texts.append(piece)
+            except AdapterError:
+                if texts:  # what came before the fault is the run's
+                    yield Delta("".join(texts))
+                raise
             except LineTooLong as exc:
                 raise AdapterError("bad_response", f"{where}: {exc}") from None
-            for event in events:
-                if event.event == "error":
-                    try:
-                        message = json_error(parse_json(event.data, where)) or event.data
-                    except AdapterError:
-                        message = event.data
-                    raise AdapterError(
-                        "engine_error", f"{where}: engine error mid-stream: {quote(message)}"
-                    )
-                if event.data.strip() == "[DONE]":
-                    if not progress.finish_reason:
-                        # llama.cpp's server ends a stream it interrupts this way
-                        raise AdapterError(
-                            "bad_response",
-                            f"{where}: the engine ended the stream without finishing "
-                            "(no finish_reason before [DONE])",
-                        )
-                    yield progress.completion()
-                    await response.drain()
-                    return
-                chunk = _object(parse_json(event.data, where), where)
-                message = json_error(chunk)
-                if message is not None:
-                    raise AdapterError(
-                        "engine_error", f"{where}: engine error mid-stream: {quote(message)}"
-                    )
-                text = progress.take(chunk, "delta", where)
-                if text:
-                    yield Delta(text)
+            if texts:
+                yield Delta("".join(texts))
+                texts.clear()
         if not seen:
             raise AdapterError("empty_response", f"{where}: the engine sent an empty response")
         raise AdapterError(
