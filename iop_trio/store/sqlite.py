@@ -329,6 +329,7 @@ class SqliteStore(RunStore):
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._pending: collections.deque[_Job[Any]] = collections.deque()
+        self._lingering = False  # the writer waits for company for writes nobody waits for
         self._thread: threading.Thread | None = None
         self._closing = False
         # set by the writer once the file is open (or failed to open)
@@ -508,7 +509,10 @@ class SqliteStore(RunStore):
             if self._closing:
                 raise StoreError(f"the store {self.path!r} is closed")
             self._pending.append(job)
-            self._wakeup.notify()
+            if job.waited or not self._lingering:
+                # a lingering writer wakes at its deadline anyway: waking it for each
+                # delta cost a thread switch a token
+                self._wakeup.notify()
 
     async def append_many(self, events: Sequence[RunEvent]) -> None:
         """Append several events in one write; see :meth:`RunStore.append_many`."""
@@ -745,15 +749,19 @@ class SqliteStore(RunStore):
         if self.linger <= 0:
             return
         deadline = time.monotonic() + self.linger
-        while (
-            not self._closing
-            and len(self._pending) < self.max_batch
-            and not any(job.waited for job in self._pending)
-        ):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._wakeup.wait(left)
+        self._lingering = True
+        try:
+            while (
+                not self._closing
+                and len(self._pending) < self.max_batch
+                and not any(job.waited for job in self._pending)
+            ):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._wakeup.wait(left)
+        finally:
+            self._lingering = False
 
     def _open_writer(self) -> sqlite3.Connection:
         _create_private(self.path)
