@@ -129,7 +129,9 @@ _PASSING = frozenset(
 #: Seconds the writer lets writes nobody waits for (``append_nowait``: a run's deltas)
 #: gather before it commits them, unless a write somebody waits for comes first. At a
 #: token every 20 ms a commit per delta cost more CPU than the rest of the node did.
-LINGER = 0.025
+#: It bounds what a crash can lose of a run's output in time, as the run's every 64th
+#: delta (which it waits for) bounds it in count; the log left is whole either way.
+LINGER = 0.2
 #: Backoff between attempts at a batch whose writes fail (seconds, doubling).
 RETRY_INITIAL = 0.05
 RETRY_MAX = 1.0
