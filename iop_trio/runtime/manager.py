@@ -81,6 +81,8 @@ class _Outcome:
 #: How many of a live run's latest events are kept in memory for its watchers;
 #: a watcher further behind reads from the store.
 EVENT_WINDOW = 1024
+#: A live run keeps its events in a plain list up to this many, then in a deque.
+SHORT_WINDOW = 16
 #: How many stored events a watcher reads at a time.
 STORE_PAGE = 1000
 #: The most events :meth:`RunWatcher.ready` hands over at once.
@@ -111,9 +113,9 @@ class _LiveRun:
     # anything after it (see RunManager._start)
     held: tuple[RunEvent, trio.Event] | None = None
     stop_outcome: _Outcome | None = None  # set with a cancel that ends the run otherwise
-    events: collections.deque[RunEvent] = attrs.field(
-        factory=lambda: collections.deque(maxlen=EVENT_WINDOW)
-    )
+    # a list while it is short (a queued run has one event: an empty deque of the
+    # window's size costs about 600 bytes), the window's deque once it grows
+    events: list[RunEvent] | collections.deque[RunEvent] = attrs.field(factory=list)
     published: int = 0  # the seq of the last published event
     ended: bool = False
     _changed: trio.Event | None = None
@@ -123,6 +125,8 @@ class _LiveRun:
 
     def publish(self, event: RunEvent) -> None:
         self.events.append(event)
+        if len(self.events) > SHORT_WINDOW and isinstance(self.events, list):
+            self.events = collections.deque(self.events, maxlen=EVENT_WINDOW)
         self.published = event.seq
         self._wake()
 
