@@ -45,7 +45,7 @@ from .transport.asgi import (
     Receive,
     Scope,
     Send,
-    lifespan,
+    is_http,
     respond,
     respond_json,
     respond_text,
@@ -111,10 +111,7 @@ class OpsApp:
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await lifespan(receive, send)
-            return
-        if scope["type"] != "http":
+        if not await is_http(scope, receive, send):
             return
         path: str = scope["path"]
         matched = self._match(path)

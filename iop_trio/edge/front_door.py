@@ -60,7 +60,7 @@ import trio
 
 from ..model import EventKind, InvalidRequest, RunEvent, RunSpec, Usage
 from ..protocol import pb
-from ..transport.asgi import Receive, Scope, Send, lifespan, respond_json
+from ..transport.asgi import Receive, Scope, Send, is_http, respond_json
 from ..transport.auth import bearer_token
 from ..transport.caller import RunStream
 from ..transport.session import RemoteError, ReplyTimeout, SessionClosed
@@ -267,10 +267,7 @@ class OpenAIFrontDoor:
         return f"<OpenAIFrontDoor edge={self.edge.edge_id!r}>"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await lifespan(receive, send)
-            return
-        if scope["type"] != "http":
+        if not await is_http(scope, receive, send):
             return
         try:
             await self._route(scope, receive, send)

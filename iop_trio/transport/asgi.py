@@ -67,6 +67,15 @@ async def lifespan(receive: Receive, send: Send) -> None:
             return
 
 
+async def is_http(scope: Scope, receive: Receive, send: Send) -> bool:
+    """Whether ``scope`` is an HTTP request for the app to answer; a lifespan scope is
+    answered here (nothing to set up), any other is not for these apps."""
+    if scope["type"] == "lifespan":
+        await lifespan(receive, send)
+        return False
+    return bool(scope["type"] == "http")
+
+
 class _PortStatus:
     """Hands the port of hypercorn's first bind (``http://host:port``) to ``task_status``."""
 
