@@ -8,7 +8,13 @@ so the peaks should be close (the store's page cache and the interpreter make th
 floor). A second pair does the same with a watcher that reads every event as it
 comes (what the edge does), to show the window of recent events keeps it flat too.
 
-    .venv/bin/python benchmarks/memory.py [--deltas 2000000]
+Then the memory a queued run takes (``--queued N``, default 100,000): a fresh process
+with a node whose one target has concurrency 0 (paused) submits N runs that all wait
+in the queue; the RSS it gains, divided by N, beside the same process's RSS before (the
+baseline is the node with 200 queued runs, so the interpreter, the store and the first
+allocations are not counted).
+
+    .venv/bin/python benchmarks/memory.py [--deltas 2000000] [--queued 100000]
 """
 
 from __future__ import annotations
@@ -93,6 +99,50 @@ def child(deltas: int, watch: bool) -> None:
     print(json.dumps(trio.run(main)))
 
 
+def queued_child(runs: int) -> None:
+    import gc
+
+    import trio
+
+    from iop_trio.adapters.echo import EchoAdapter
+    from iop_trio.runtime import Node, RunSpec, RuntimeLimits, TargetSpec
+    from iop_trio.store.sqlite import SqliteStore
+
+    async def main() -> dict[str, float]:
+        with tempfile.TemporaryDirectory() as folder:
+            store = SqliteStore(Path(folder) / "runs.db")
+            node = Node(
+                node_id="mem",
+                adapters=[EchoAdapter()],
+                targets=[TargetSpec("echo", "m", concurrency=0)],  # paused: every run waits
+                limits=RuntimeLimits(max_queued=runs + 1000, queue_timeout=3600),
+                store=store,
+            )
+            async with node.running():
+                for _ in range(200):
+                    await node.manager.submit(RunSpec("echo/m", "hi"))
+                gc.collect()
+                before = rss_kib()
+                started = time.perf_counter()
+
+                async def submit_some(count: int) -> None:
+                    for _ in range(count):
+                        await node.manager.submit(RunSpec("echo/m", "hi"))
+
+                async with trio.open_nursery() as submitters:  # 500 at once: group commit
+                    for share in range(500):
+                        submitters.start_soon(submit_some, runs // 500 + (share < runs % 500))
+                elapsed = time.perf_counter() - started
+                gc.collect()
+                after = rss_kib()
+                node.manager.cancel_all("done")
+                await node.manager.wait_idle()
+            await store.aclose()
+        return {"before_kib": before, "after_kib": after, "seconds": elapsed}
+
+    print(json.dumps(trio.run(main)))
+
+
 def measure(deltas: int, watch: bool) -> dict[str, float]:
     out = subprocess.run(
         [sys.executable, __file__, "--child", str(deltas)] + (["--watch"] if watch else []),
@@ -109,9 +159,14 @@ def main() -> None:
     parser.add_argument("--deltas", type=int, default=2_000_000)
     parser.add_argument("--child", type=int)
     parser.add_argument("--watch", action="store_true")
+    parser.add_argument("--queued", type=int, default=100_000)
+    parser.add_argument("--queued-child", type=int)
     args = parser.parse_args()
     if args.child is not None:
         child(args.child, args.watch)
+        return
+    if args.queued_child is not None:
+        queued_child(args.queued_child)
         return
     print(f"python {sys.version.split()[0]}; one echo run per process, SqliteStore in a tmp dir")
     print(
@@ -128,6 +183,22 @@ def main() -> None:
         growth = (big["peak_kib"] - small["peak_kib"]) / 1024
         ratio = big["peak_kib"] / small["peak_kib"]
         print(f"{'':>10} peak of {args.deltas:,} deltas vs 1,000: x{ratio:.2f} ({growth:+.1f} MiB)")
+
+    if args.queued:
+        out = subprocess.run(
+            [sys.executable, __file__, "--queued-child", str(args.queued)],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        ).stdout
+        q = json.loads(out.splitlines()[-1])
+        grown = (q["after_kib"] - q["before_kib"]) * 1024
+        print(
+            f"{args.queued:,} queued runs: RSS {q['before_kib'] / 1024:.1f} -> "
+            f"{q['after_kib'] / 1024:.1f} MiB, {grown / args.queued:,.0f} bytes a queued run "
+            f"(submitted at {args.queued / q['seconds']:,.0f} runs/s)"
+        )
 
 
 if __name__ == "__main__":
