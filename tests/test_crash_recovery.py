@@ -220,3 +220,75 @@ async def test_kill_9_mid_run_then_restart(tmp_path):
         RunStatus.INTERRUPTED,
     } <= ends
     assert {r.background for r in records.values()} == {True, False}
+
+
+async def test_kill_9_mid_stream_of_merged_batched_deltas_leaves_a_whole_log(tmp_path):
+    """A real node (``iop-node serve``, SQLite) streams a fast echo through an edge; the
+    client gets merged deltas (seq skips), the store has them in batches nobody waited
+    for. SIGKILL mid-stream: the stored log is seq 1..n with no gap, its text and the
+    client's are prefixes of what the run streams, and at most SYNC_EVERY deltas the
+    client got are not in the store."""
+    from iop_trio.edge import Edge
+    from iop_trio.model import RunSpec
+    from iop_trio.runtime.manager import SYNC_EVERY
+
+    words = "".join(f"w{i} " for i in range(1000))
+    repeat = 1000  # a million deltas: far more than the node sends before the kill
+    edge = Edge(token="crash-token")
+    db = tmp_path / "node.db"
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(edge.serve)
+            config = tmp_path / "node.yaml"
+            config.write_text(
+                "node_id: crashy\n"
+                "adapters: {echo: {kind: echo}}\n"
+                "targets: [{adapter: echo, model: m, concurrency: 1}]\n"
+                f"store: {{path: {db}}}\n"
+                "metrics: {listen: ''}\n"
+                f"edge: {{url: '{edge.node_url}', token: crash-token}}\n"
+            )
+            proc = await trio.lowlevel.open_process(
+                [sys.executable, "-m", "iop_trio.cli", "serve", "--config", str(config)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                cwd=ROOT,
+            )
+            try:
+                await edge.wait_for_node("crashy")
+                spec = RunSpec("echo/m", words, options={"repeat": repeat}, background=True)
+                got: list[tuple[int, str]] = []
+                merged = False  # a delta whose seq skips: it stands for several
+                async with edge.run(spec) as stream:
+                    run_id = stream.run_id
+                    async for event in stream:
+                        if event.kind is EventKind.DELTA:
+                            merged = merged or bool(got and event.seq - got[-1][0] > 1)
+                            got.append((event.seq, event.text))
+                        if len(got) > 50 and got[-1][0] > 20_000 and merged:
+                            break
+                    proc.kill()  # SIGKILL, mid-stream
+                    assert await proc.wait() == -signal.SIGKILL
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                    with trio.CancelScope(shield=True):
+                        await proc.wait()
+            nursery.cancel_scope.cancel()
+        store = SqliteStore(db)
+        try:
+            stored = await store.events(run_id, limit=10_000_000)
+        finally:
+            await store.aclose()
+    seqs = [e.seq for e in stored]
+    assert seqs == list(range(1, len(stored) + 1))
+    assert [e.kind for e in stored[:2]] == [EventKind.QUEUED, EventKind.STARTED]
+    assert all(e.kind is EventKind.DELTA for e in stored[2:])  # it died streaming
+    full = words * repeat
+    stored_text = "".join(e.text for e in stored[2:])
+    client_text = "".join(text for _, text in got)
+    assert full.startswith(stored_text) and full.startswith(client_text)
+    # the client's pieces were merged, never reordered: its seqs only grow
+    assert [s for s, _ in got] == sorted({s for s, _ in got})
+    # every 64th delta waits until it is durable before it is sent
+    assert seqs[-1] >= got[-1][0] - SYNC_EVERY
