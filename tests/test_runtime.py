@@ -803,3 +803,35 @@ async def test_a_long_run_keeps_a_window_and_a_late_watcher_reads_the_store():
 
 async def submit_text(node: Node, target: str, text: str) -> str:
     return (await node.manager.submit(RunSpec(target, text))).record.run_id
+
+
+async def test_a_waiting_run_is_data_its_task_starts_when_it_is_admitted(autojump_clock):
+    """Queued runs hold no task of their own (issue 12: memory per queued run); they are
+    admitted in order as room comes, and their deadlines and cancels still hold."""
+    node, adapter = make_node(a_limit=1, queue_timeout=30)
+    async with node.running():
+        nursery = node.manager._nursery
+        first = await submit(node)  # runs, holding the one permit of A
+        tasks = len(nursery.child_tasks)
+        queued = [await submit(node) for _ in range(50)]
+        assert len(nursery.child_tasks) == tasks  # fifty waiting runs, no task more
+        assert node.gate.statistics().queued == 50
+        # a cancel while it waits: it never starts, and its end is recorded
+        outcome = await node.manager.cancel(queued[0])
+        assert (outcome.status, outcome.cancelled) == (RunStatus.CANCELLED, True)
+        assert await kinds(node, queued[0]) == [EventKind.QUEUED, EventKind.CANCELLED]
+        # room comes: the oldest waiting run gets its task and starts
+        adapter.script(first).finish()
+        await trio.testing.wait_all_tasks_blocked()
+        assert adapter.started == [first, queued[1]]
+        assert await status(node, queued[1]) is RunStatus.RUNNING
+        # the deadline ends the others, each REJECTED(queue_timeout) with a hint
+        await trio.sleep(31)
+        await trio.testing.wait_all_tasks_blocked()
+        for run_id in queued[2:]:
+            record = await node.store.get(run_id)
+            assert record is not None
+            assert (record.status, record.reason) == (RunStatus.REJECTED, "queue_timeout")
+            assert record.retry_after is not None
+        assert node.gate.statistics().queued == 0
+        assert adapter.started == [first, queued[1]]

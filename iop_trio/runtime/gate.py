@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import NoReturn
 
 import attrs
@@ -145,9 +145,13 @@ class _Ticket:
     tenant: _Tenant
     priority: int
     order: int
-    task: trio.lowlevel.Task | None = None  # set while waiting
+    task: trio.lowlevel.Task | None = None  # set while a task waits in acquire()
     granted: bool = False
     withdrawn: bool = False
+    # a run waiting as data (enter()): called when it is granted / its deadline passes
+    on_grant: Callable[[Permit], None] | None = None
+    on_expire: Callable[[GateRejected], None] | None = None
+    timeout: float = math.inf
 
 
 @attrs.define(eq=False, repr=False)
@@ -394,6 +398,10 @@ class Gate:
         self._busy_lanes: dict[_Lane, None] = {}
         # the waiting tickets by borrower, so a waiting run can be withdrawn
         self._waiting: dict[object, _Ticket] = {}
+        # the queue deadlines of runs waiting as data (enter), earliest first; entries of
+        # runs granted or withdrawn meanwhile are dropped when met
+        self._deadlines: list[tuple[float, int, _Ticket]] = []
+        self._deadline_moved = trio.Event()
         self._tenants: dict[str, _Tenant] = {}
         self._queued = 0
         self._order = 0
@@ -608,39 +616,17 @@ class Gate:
         Raises GateWithdrawn if :meth:`withdraw` takes it out of the queue.
         Always a checkpoint.
         """
-        lane = self._lane(target)
-        timeout = self.queue_timeout if lane.queue_timeout is None else lane.queue_timeout
-        if queue_timeout is not None:
-            timeout = min(timeout, check_seconds("queue_timeout", queue_timeout))
         await trio.lowlevel.checkpoint_if_cancelled()
-        self._order += 1
-        ticket = _Ticket(borrower, lane, self._tenant(tenant), priority, self._order)
+        lane, ticket, timeout = self._ticket(borrower, target, priority, tenant, queue_timeout)
         if self._grantable(lane, ticket.tenant):
             # nothing waiting could use this room: the gate grants until none can start
             self._grant(ticket)
             await trio.lowlevel.cancel_shielded_checkpoint()
             return Permit(self, ticket)
-        full = self._full(lane, ticket.tenant)
-        if full is not None:
-            # made before the checkpoint, so the message counts what refused the run
-            await self._turn_away(ticket, RejectReason.QUEUE_FULL, *full)
-        if timeout <= 0:
-            await self._turn_away(
-                ticket,
-                RejectReason.QUEUE_TIMEOUT,
-                "no capacity and queue_timeout is 0",
-                lane.rate.wait_for(lane.waiting, 1.0),
-            )
-        if self.early_reject:
-            estimate = lane.estimated_wait(priority, ticket.tenant)
-            if estimate is not None and estimate > timeout:
-                await self._turn_away(
-                    ticket,
-                    RejectReason.QUEUE_TIMEOUT,
-                    f"about {estimate:.1f}s of queue ahead on {target}, more than the "
-                    f"{timeout:g}s it may wait (decided at once)",
-                    _clamp_hint(estimate - timeout),
-                )
+        # made before the checkpoint, so the message counts what refused the run
+        refusal = self._refusal(lane, ticket, timeout)
+        if refusal is not None:
+            await self._turn_away(ticket, *refusal)
         ticket.task = trio.lowlevel.current_task()
         self._enqueue(ticket)
 
@@ -662,6 +648,110 @@ class Gate:
                 lane.rate.wait_for(lane.waiting, timeout),
             )
         return Permit(self, ticket)
+
+    def enter(
+        self,
+        borrower: object,
+        target: str,
+        *,
+        on_grant: Callable[[Permit], None],
+        on_expire: Callable[[GateRejected], None],
+        priority: int = 0,
+        tenant: str = "",
+        queue_timeout: float | None = None,
+    ) -> Permit | None:
+        """:meth:`acquire` for a run that waits as data, not as a task: never waits.
+
+        Returns a Permit if the run may start now; raises GateRejected if it is
+        refused at once (as ``acquire`` would be before waiting); else it waits
+        in the queue and None is returned. Then exactly one of these happens:
+        ``on_grant(permit)`` is called when it is granted (synchronously, by
+        whoever made room: it must not raise nor wait), ``on_expire(rejected)``
+        when its queue deadline passes first (by :meth:`expire_waiting`), or
+        :meth:`withdraw` takes it out (and calls neither). The order between
+        runs is the same as for runs waiting in ``acquire``.
+        """
+        lane, ticket, timeout = self._ticket(borrower, target, priority, tenant, queue_timeout)
+        if self._grantable(lane, ticket.tenant):
+            self._grant(ticket)
+            return Permit(self, ticket)
+        refusal = self._refusal(lane, ticket, timeout)
+        if refusal is not None:
+            self._forget_if_idle(ticket.tenant)
+            raise GateRejected(*refusal)
+        ticket.on_grant = on_grant
+        ticket.on_expire = on_expire
+        ticket.timeout = timeout
+        self._enqueue(ticket)
+        deadline = trio.current_time() + timeout
+        if not self._deadlines or deadline < self._deadlines[0][0]:
+            self._deadline_moved.set()
+        heapq.heappush(self._deadlines, (deadline, ticket.order, ticket))
+        return None
+
+    async def expire_waiting(self) -> None:
+        """Until cancelled: reject each run waiting as data (:meth:`enter`) whose queue
+        deadline has passed, with ``on_expire``. One task per gate runs this."""
+        deadlines = self._deadlines
+        while True:
+            now = trio.current_time()
+            while deadlines and deadlines[0][0] <= now:
+                _, _, ticket = heapq.heappop(deadlines)
+                if self._waiting.get(ticket.borrower) is not ticket:
+                    continue  # granted or withdrawn meanwhile
+                self._dequeue(ticket)
+                lane = ticket.lane
+                assert ticket.on_expire is not None
+                ticket.on_expire(
+                    GateRejected(
+                        RejectReason.QUEUE_TIMEOUT,
+                        f"no capacity on {lane.name} within {ticket.timeout:g}s",
+                        lane.rate.wait_for(lane.waiting, ticket.timeout),
+                    )
+                )
+            self._deadline_moved = trio.Event()
+            with trio.move_on_at(deadlines[0][0] if deadlines else math.inf):
+                await self._deadline_moved.wait()
+
+    def _ticket(
+        self,
+        borrower: object,
+        target: str,
+        priority: int,
+        tenant: str,
+        queue_timeout: float | None,
+    ) -> tuple[_Lane, _Ticket, float]:
+        """A new ticket, and the queue timeout that applies to it."""
+        lane = self._lane(target)
+        timeout = self.queue_timeout if lane.queue_timeout is None else lane.queue_timeout
+        if queue_timeout is not None:
+            timeout = min(timeout, check_seconds("queue_timeout", queue_timeout))
+        self._order += 1
+        return lane, _Ticket(borrower, lane, self._tenant(tenant), priority, self._order), timeout
+
+    def _refusal(
+        self, lane: _Lane, ticket: _Ticket, timeout: float
+    ) -> tuple[RejectReason, str, float] | None:
+        """Why a run that cannot start now is refused at once, or None: it may wait."""
+        full = self._full(lane, ticket.tenant)
+        if full is not None:
+            return RejectReason.QUEUE_FULL, *full
+        if timeout <= 0:
+            return (
+                RejectReason.QUEUE_TIMEOUT,
+                "no capacity and queue_timeout is 0",
+                lane.rate.wait_for(lane.waiting, 1.0),
+            )
+        if self.early_reject:
+            estimate = lane.estimated_wait(ticket.priority, ticket.tenant)
+            if estimate is not None and estimate > timeout:
+                return (
+                    RejectReason.QUEUE_TIMEOUT,
+                    f"about {estimate:.1f}s of queue ahead on {lane.name}, more than the "
+                    f"{timeout:g}s it may wait (decided at once)",
+                    _clamp_hint(estimate - timeout),
+                )
+        return None
 
     async def _turn_away(
         self, ticket: _Ticket, reason: RejectReason, message: str, retry_after: float
@@ -720,6 +810,10 @@ class Gate:
             lane.rate.last = now
         self._rate.tick(now)
 
+    def is_waiting(self, borrower: object) -> bool:
+        """Whether ``borrower``'s run waits in the queue."""
+        return borrower in self._waiting
+
     def withdraw(self, borrower: object) -> bool:
         """Take ``borrower``'s waiting run out of the queue: its :meth:`acquire` raises
         GateWithdrawn. False (and nothing done) if it is not waiting.
@@ -728,11 +822,12 @@ class Gate:
         drain can empty a queue of 100,000 runs quickly.
         """
         ticket = self._waiting.get(borrower)
-        if ticket is None or ticket.task is None:
+        if ticket is None or (ticket.task is None and ticket.on_grant is None):
             return False
         self._dequeue(ticket)
         ticket.withdrawn = True
-        trio.lowlevel.reschedule(ticket.task)
+        if ticket.task is not None:
+            trio.lowlevel.reschedule(ticket.task)
         return True
 
     def _enqueue(self, ticket: _Ticket) -> None:
@@ -809,5 +904,8 @@ class Gate:
                 return
             self._dequeue(best, served=True)
             self._grant(best, queued=True)
-            assert best.task is not None
-            trio.lowlevel.reschedule(best.task)
+            if best.on_grant is not None:
+                best.on_grant(Permit(self, best))
+            else:
+                assert best.task is not None
+                trio.lowlevel.reschedule(best.task)

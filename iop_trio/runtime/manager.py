@@ -25,6 +25,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+from functools import partial
 
 import attrs
 import trio
@@ -47,7 +48,7 @@ from ..model import (
     tenant_problem,
 )
 from ..store.base import RunStore, StoreError, StoreHealth, StoreUnavailable
-from .gate import Gate, GateRejected, GateWithdrawn
+from .gate import Gate, GateRejected, Permit
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,6 @@ class _LiveRun:
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     cancelling: bool = False  # a cancel or stop was asked for (the first reason wins)
     cancel_reason: str = ""
-    ended_in_bulk: bool = False  # taken out of the queue and ended by the manager
     unsynced: int = 0  # deltas taken by the store since the last one that was waited for
     # STARTED, taken by the store and not yet published: published once durable, before
     # anything after it (see RunManager._start)
@@ -233,6 +233,12 @@ class RunWatcher:
         return taken
 
 
+def _rejected(rejected: GateRejected) -> _Outcome:
+    return _Outcome(
+        RunStatus.REJECTED, rejected.reason.value, str(rejected), retry_after=rejected.retry_after
+    )
+
+
 def notify(
     listeners: Sequence[Callable[[RunEvent, RunRecord], None]], event: RunEvent, record: RunRecord
 ) -> None:
@@ -308,6 +314,8 @@ class RunManager:
         self._admitting = True
         self._idle = trio.Event()
         self._idle.set()
+        # runs wait in the gate as data; their queue deadlines are kept by one task
+        nursery.start_soon(gate.expire_waiting)
         # hooks (metrics, logs): called synchronously with each event once it is
         # stored (or given up on) and the run's own live record, which they must
         # not change; one that raises is logged and skipped
@@ -390,17 +398,51 @@ class RunManager:
             raise
         self._published(live, first)
         task_status.started(attrs.evolve(state.record))
+        try:
+            permit = self._gate.enter(
+                live,
+                spec.target,
+                on_grant=partial(self._admitted, live, target, spec),
+                on_expire=partial(self._expired, live),
+                priority=spec.priority,
+                tenant=spec.tenant,
+                queue_timeout=spec.queue_timeout,
+            )
+        except GateRejected as rejected:
+            await self._finish(live, _rejected(rejected))
+            return
+        if permit is not None:
+            await self._carry_on(live, target, spec, permit)
+        # else the run waits in the gate as data, and this task ends: a grant starts the
+        # run's next task (_admitted), its deadline or a cancel ends it (_expired, _cancel)
 
+    def _admitted(self, live: _LiveRun, target: TargetSpec, spec: RunSpec, permit: Permit) -> None:
+        """The gate granted a run that waited as data: its task goes on from here."""
+        self._nursery.start_soon(self._carry_on, live, target, spec, permit)
+
+    def _expired(self, live: _LiveRun, rejected: GateRejected) -> None:
+        """A run that waited as data reached its queue deadline."""
+        self._nursery.start_soon(self._finish, live, _rejected(rejected))
+
+    async def _carry_on(
+        self, live: _LiveRun, target: TargetSpec, spec: RunSpec, permit: Permit
+    ) -> None:
+        """Run an admitted run to its end, holding ``permit``; record its end."""
+        run_id = live.state.record.run_id
         outcome: _Outcome | None = None
         try:
-            with live.scope:
-                outcome = await self._admit_and_execute(live, target, spec)
-            if live.ended_in_bulk:
-                return  # its end is made and stored with others' (_end_in_bulk), not here
-            if outcome is None:
-                outcome = live.stop_outcome or _Outcome(
-                    RunStatus.CANCELLED, live.cancel_reason or "cancelled"
-                )
+            with permit:
+                if live.cancelling:  # cancelled as it was granted: it never starts
+                    outcome = live.stop_outcome or _Outcome(
+                        RunStatus.CANCELLED, live.cancel_reason or "cancelled"
+                    )
+                    return
+                with live.scope:
+                    outcome = await self._execute_admitted(live, target, spec)
+                if outcome is None:
+                    outcome = live.stop_outcome or _Outcome(
+                        RunStatus.CANCELLED, live.cancel_reason or "cancelled"
+                    )
         except trio.Cancelled:
             # the node-wide nursery is being cancelled (shutdown)
             outcome = _Outcome(RunStatus.CANCELLED, "node_shutdown", "the node stopped")
@@ -409,47 +451,28 @@ class RunManager:
             log.exception("run %s: internal error", run_id)
             outcome = _Outcome(RunStatus.FAILED, "internal", f"{type(exc).__name__}: {exc}")
         finally:
-            if not live.ended_in_bulk:
-                await self._finish(live, outcome or _Outcome(RunStatus.FAILED, "internal"))
+            await self._finish(live, outcome or _Outcome(RunStatus.FAILED, "internal"))
 
-    async def _admit_and_execute(
+    async def _execute_admitted(
         self, live: _LiveRun, target: TargetSpec, spec: RunSpec
     ) -> _Outcome:
-        try:
-            permit = await self._gate.acquire(
-                live,
-                spec.target,
-                priority=spec.priority,
-                tenant=spec.tenant,
-                queue_timeout=spec.queue_timeout,
-            )
-        except GateRejected as rejected:
-            return _Outcome(
-                RunStatus.REJECTED,
-                rejected.reason.value,
-                str(rejected),
-                retry_after=rejected.retry_after,
-            )
-        except GateWithdrawn:  # cancelled while waiting: it never starts
-            return _Outcome(RunStatus.CANCELLED, live.cancel_reason or "cancelled")
-        with permit:
-            self._start(live)
-            request = AdapterRequest(
-                run_id=live.state.record.run_id,
-                model=target.model,
-                prompt=spec.prompt,
-                messages=spec.messages,
-                params=target.params_for(spec.options),
-            )
-            limit = target.max_run_time
-            with trio.move_on_after(math.inf if limit is None else limit):
-                return await self._execute(live, self._adapters[target.adapter], request, target)
-            # leaving the adapter's stream on the deadline closed it
-            return _Outcome(
-                RunStatus.FAILED,
-                "run_timeout",
-                f"the run did not finish within {limit:g}s (max_run_time of {target.name})",
-            )
+        self._start(live)
+        request = AdapterRequest(
+            run_id=live.state.record.run_id,
+            model=target.model,
+            prompt=spec.prompt,
+            messages=spec.messages,
+            params=target.params_for(spec.options),
+        )
+        limit = target.max_run_time
+        with trio.move_on_after(math.inf if limit is None else limit):
+            return await self._execute(live, self._adapters[target.adapter], request, target)
+        # leaving the adapter's stream on the deadline closed it
+        return _Outcome(
+            RunStatus.FAILED,
+            "run_timeout",
+            f"the run did not finish within {limit:g}s (max_run_time of {target.name})",
+        )
 
     async def _execute(
         self, live: _LiveRun, adapter: Adapter, request: AdapterRequest, target: TargetSpec
@@ -607,7 +630,9 @@ class RunManager:
             return False
         live.cancelling = True
         live.cancel_reason = reason
-        if not self._gate.withdraw(live):  # a waiting run leaves the queue without a Cancelled
+        if self._gate.withdraw(live):  # it waited as data: it never starts, and ends here
+            self._nursery.start_soon(self._finish, live, _Outcome(RunStatus.CANCELLED, reason))
+        else:
             live.scope.cancel()
         return True
 
@@ -627,7 +652,6 @@ class RunManager:
             live.cancel_reason = reason
             cancelled.append(live.state.record.run_id)
             if self._gate.withdraw(live):
-                live.ended_in_bulk = True  # its task goes away without ending it
                 waiting.append(live)
             else:
                 live.scope.cancel()
@@ -742,6 +766,16 @@ class RunManager:
     def stop_admitting(self) -> None:
         """From now on :meth:`submit` raises NodeUnavailable. Runs already in go on."""
         self._admitting = False
+
+    def shut_down(self) -> None:
+        """Stop admitting, and end the runs that wait in the queue CANCELLED
+        (``node_shutdown``) in one store write; the caller then cancels the nursery,
+        which ends the running ones (their final writes are shielded)."""
+        self.stop_admitting()
+        self._cancel_many(
+            [live for live in self._live.values() if self._gate.is_waiting(live)],
+            "node_shutdown",
+        )
 
     async def wait_idle(self) -> None:
         """Return when no run is live (at once if none is)."""

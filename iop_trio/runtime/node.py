@@ -238,7 +238,7 @@ class Node:
                 try:
                     yield self
                 finally:
-                    self._manager.stop_admitting()
+                    self._manager.shut_down()
                     nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             # run tasks never raise, so a lone exception is the body's own
