@@ -67,6 +67,8 @@ class NodeHandle(RunnerClient):
         self, hello: pb.Hello, session: ProtoSession, *, ack_timeout: float | None = ACK_TIMEOUT
     ) -> None:
         super().__init__(session, ack_timeout=ack_timeout)
+        self.targets: frozenset[str] = frozenset()
+        self.unavailable: dict[str, str] = {}
         self.hello = hello
         self.in_flight = 0
 
@@ -77,17 +79,21 @@ class NodeHandle(RunnerClient):
         )
 
     @property
+    def hello(self) -> pb.Hello:
+        """What the node said it serves, last (it says it again when that changes)."""
+        return self._hello
+
+    @hello.setter
+    def hello(self, hello: pb.Hello) -> None:
+        # read for every run the edge routes: worked out once per Hello, not per run
+        self._hello = hello
+        self.targets = frozenset(t.name for t in hello.targets)
+        #: its targets whose engine cannot serve them now, with why
+        self.unavailable = {t.name: t.unavailable for t in hello.targets if t.unavailable}
+
+    @property
     def node_id(self) -> str:
-        return self.hello.node_id
-
-    @property
-    def targets(self) -> set[str]:
-        return {t.name for t in self.hello.targets}
-
-    @property
-    def unavailable(self) -> dict[str, str]:
-        """Its targets whose engine cannot serve them now, with why."""
-        return {t.name: t.unavailable for t in self.hello.targets if t.unavailable}
+        return self._hello.node_id
 
 
 class Edge:
