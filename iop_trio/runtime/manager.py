@@ -432,14 +432,10 @@ class RunManager:
         outcome: _Outcome | None = None
         try:
             with permit:
-                if live.cancelling:  # cancelled as it was granted: it never starts
-                    outcome = live.stop_outcome or _Outcome(
-                        RunStatus.CANCELLED, live.cancel_reason or "cancelled"
-                    )
-                    return
-                with live.scope:
-                    outcome = await self._execute_admitted(live, target, spec)
-                if outcome is None:
+                if not live.cancelling:  # a run cancelled as it was granted never starts
+                    with live.scope:
+                        outcome = await self._execute_admitted(live, target, spec)
+                if outcome is None:  # cancelled, or stopped otherwise
                     outcome = live.stop_outcome or _Outcome(
                         RunStatus.CANCELLED, live.cancel_reason or "cancelled"
                     )
