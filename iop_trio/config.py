@@ -40,7 +40,7 @@ from .model import (
     TenantLimits,
     field_check,
     limit_problem,
-    pinned_problem,
+    option_rules_problem,
     positive_problem,
     seconds_problem,
     tenant_problem,
@@ -475,14 +475,9 @@ def _check_references(config: NodeConfig) -> None:
                 f"{src}: targets[{i}].adapter: {target.adapter!r} is not one of the "
                 f"adapters ({', '.join(sorted(config.adapters)) or 'none configured'})"
             )
-        for option in target.allow_options or ():
-            problem = pinned_problem(option)
-            if problem is not None:
-                raise ConfigError(f"{src}: targets[{i}].allow_options: {problem}")
-        for option, cap in target.option_caps.items():
-            problem = positive_problem(cap)
-            if problem is not None:
-                raise ConfigError(f"{src}: targets[{i}].option_caps.{option}: {problem}")
+        fault = option_rules_problem(target.allow_options or (), target.option_caps)
+        if fault is not None:
+            raise ConfigError(f"{src}: targets[{i}].{fault[0]}: {fault[1]}")
         name = target.spec().name
         if name in names:
             raise ConfigError(f"{src}: targets[{i}]: target {name!r} is configured twice")

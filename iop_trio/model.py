@@ -290,6 +290,23 @@ def pinned_problem(name: str) -> str | None:
     return None
 
 
+def option_rules_problem(
+    allow: Iterable[str], caps: Mapping[str, object]
+) -> tuple[str, str] | None:
+    """What is wrong with a target's rules for caller options, as (the key at fault,
+    the problem), or None: an ``allow_options`` entry that is pinned, or an
+    ``option_caps.<name>`` that is not a number > 0. Config and the node both ask."""
+    for name in sorted(allow):
+        problem = pinned_problem(name)
+        if problem is not None:
+            return "allow_options", problem
+    for name, cap in caps.items():
+        problem = positive_problem(cap)
+        if problem is not None:
+            return f"option_caps.{name}", problem
+    return None
+
+
 def _check_option(target: TargetSpec, allowed: frozenset[str], name: str, leaf: str) -> None:
     if leaf in PINNED_OPTIONS or name not in allowed:
         may = ", ".join(sorted(allowed)) or "none"

@@ -36,8 +36,7 @@ from ..model import (
     check_limit,
     check_seconds,
     check_tenant_limits,
-    pinned_problem,
-    positive_problem,
+    option_rules_problem,
 )
 from ..store.base import RunStore
 from .gate import Gate
@@ -161,14 +160,9 @@ class Node:
         allow = target.allow_options
         if allow is None:
             allow = self._adapters[target.adapter].caller_options
-        for name in sorted(allow):
-            problem = pinned_problem(name)
-            if problem is not None:
-                raise ValueError(f"target {target.name!r}: allow_options: {problem}")
-        for name, cap in target.option_caps.items():
-            problem = positive_problem(cap)
-            if problem is not None:
-                raise ValueError(f"target {target.name!r}: option_caps.{name}: {problem}")
+        fault = option_rules_problem(allow, target.option_caps)
+        if fault is not None:
+            raise ValueError(f"target {target.name!r}: {fault[0]}: {fault[1]}")
         return attrs.evolve(
             target,
             max_prompt_bytes=_either(target.max_prompt_bytes, r.max_prompt_bytes),
