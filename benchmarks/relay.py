@@ -1046,7 +1046,7 @@ if __name__ == "__main__":
     parser.add_argument(
         "--cpu-detail",
         action="store_true",
-        help="under each row: % of a core per process, and for node and edge the share "
+        help="under each row: %% of a core per process, and for node and edge the share "
         "in the kernel and in threads other than the main one",
     )
     parser.add_argument(
