@@ -108,13 +108,11 @@ async def test_run_end_to_end_stores_deltas_and_usage(wire, server):
         node = make_node(adapter, model=wire.model)
         async with node.running():
             record, events = await run_to_end(node, spec(wire))
-    assert [e.kind for e in events] == [
-        EventKind.QUEUED,
-        EventKind.STARTED,
-        EventKind.DELTA,
-        EventKind.DELTA,
-        EventKind.SUCCEEDED,
-    ]
+    kinds = [e.kind for e in events]
+    # one delta a piece, or one for both if they came while the run was busy
+    assert kinds[:2] == [EventKind.QUEUED, EventKind.STARTED]
+    assert kinds[-1] is EventKind.SUCCEEDED
+    assert set(kinds[2:-1]) == {EventKind.DELTA} and len(kinds) in (4, 5)
     assert "".join(e.text for e in events) == "Hello"
     assert record.status is RunStatus.SUCCEEDED
     assert record.usage == Usage("stop", prompt_tokens=4, completion_tokens=2)
@@ -274,7 +272,7 @@ async def test_stream_without_its_end_is_truncated(wire, server):
     record, events = await run_failing(wire, server, wire.reply(["a", "b"], done=False))
     assert (record.status, record.reason) == (RunStatus.FAILED, "bad_response")
     assert "truncated" in record.message
-    assert deltas(events) == ["a", "b"]
+    assert "".join(deltas(events)) == "ab"  # one delta or two: what came at once is joined
 
 
 @pytest.mark.faults

@@ -15,7 +15,7 @@ import trio.testing
 from iop_trio.adapters.base import Adapter, AdapterRequest, Chunk, Completion, Delta
 from iop_trio.model import EventKind, RunEvent, RunSpec, TargetSpec, Usage
 from iop_trio.runtime import Node
-from iop_trio.runtime.manager import SYNC_EVERY
+from iop_trio.runtime.manager import GATHER_LIMIT, SYNC_EVERY
 from iop_trio.store.memory import MemoryStore
 from iop_trio.store.sqlite import SqliteStore
 
@@ -26,9 +26,14 @@ WAIT = 20
 
 class Burst(Adapter):
     """Streams the prompt's words as deltas all at once: no checkpoint between them, so
-    the node has published every one before its stream to the edge runs again."""
+    they are all there before the run takes the first. With ``drip``, a checkpoint after
+    each word: the run and its stream to the edge may run between any two."""
 
     kind = "burst"
+
+    def __init__(self, name: str, *, drip: bool = False) -> None:
+        super().__init__(name)
+        self.drip = drip
 
     @asynccontextmanager
     async def open_stream(self, request: AdapterRequest) -> AsyncIterator[AsyncIterator[Chunk]]:
@@ -36,15 +41,17 @@ class Burst(Adapter):
             words = request.prompt.split(" ")
             for word in words:
                 yield Delta(word + " ")
+                if self.drip:
+                    await trio.lowlevel.checkpoint()
             yield Completion(Usage("stop", completion_tokens=len(words)))
 
         yield chunks()
 
 
-def burst_node() -> Node:
+def burst_node(*, drip: bool = False) -> Node:
     return Node(
         node_id="n1",
-        adapters=[Burst("burst")],
+        adapters=[Burst("burst", drip=drip)],
         targets=[TargetSpec("burst", "m", concurrency=4)],
         store=MemoryStore(),
     )
@@ -57,31 +64,53 @@ async def relayed(node: Node, prompt: str) -> list[RunEvent]:
                 return [event async for event in stream]
 
 
-async def test_deltas_published_while_the_stream_waited_arrive_as_one():
-    words = [f"w{i}" for i in range(SYNC_EVERY - 10)]  # no durable wait among them
-    events = await relayed(burst_node(), " ".join(words))
+def text_of(events: list[RunEvent]) -> str:
+    return "".join(e.text for e in events if e.kind is EventKind.DELTA)
+
+
+async def test_what_came_while_the_run_was_busy_is_one_delta_stored_and_relayed():
+    words = [f"w{i}" for i in range(SYNC_EVERY - 10)]
+    node = burst_node()
+    events = await relayed(node, " ".join(words))
     kinds = [e.kind for e in events]
     assert kinds == [EventKind.QUEUED, EventKind.STARTED, EventKind.DELTA, EventKind.SUCCEEDED]
-    delta = events[2]
-    assert delta.text == "".join(w + " " for w in words)
-    assert delta.seq == 2 + len(words)  # the seq of its last piece
-    assert events[3].seq == delta.seq + 1
+    assert events[2].text == "".join(w + " " for w in words)
+    assert [e.seq for e in events] == [1, 2, 3, 4]
+    assert [(e.seq, e.text) for e in await node.store.events(events[0].run_id)] == [
+        (e.seq, e.text) for e in events
+    ]
 
 
-async def test_a_long_burst_keeps_its_text_and_order_in_fewer_frames():
+async def test_a_long_burst_keeps_its_text_and_order_in_fewer_events():
     words = [f"w{i}" for i in range(5000)]
     node = burst_node()
     events = await relayed(node, " ".join(words))
-    deltas = [e for e in events if e.kind is EventKind.DELTA]
-    assert "".join(e.text for e in deltas) == "".join(w + " " for w in words)
-    seqs = [e.seq for e in events]
-    assert seqs == sorted(set(seqs)) and seqs[0] == 1 and seqs[-1] == len(words) + 3
-    # the run waits for the store every SYNC_EVERY deltas, so at most about that often
-    # can its stream catch up and send a delta alone
-    assert len(deltas) <= 2 * len(words) // SYNC_EVERY + 2
-    # the node kept each piece in its own event: only the wire merges
+    assert text_of(events) == "".join(w + " " for w in words)
     stored = await node.store.events(events[0].run_id)
-    assert [e.seq for e in stored] == list(range(1, len(words) + 4))
+    assert [e.seq for e in stored] == list(range(1, len(stored) + 1))  # whole, no gap
+    assert text_of(stored) == text_of(events)
+    # the run takes what its reader holds, at most GATHER_LIMIT chunks (and the one its
+    # reader waits to hand over) at a time
+    assert sum(e.kind is EventKind.DELTA for e in stored) <= len(words) // GATHER_LIMIT + 2
+    seqs = [e.seq for e in events]
+    assert seqs == sorted(set(seqs)) and seqs[-1] == stored[-1].seq
+
+
+async def test_a_dripping_stream_keeps_its_text_and_order_on_the_wire():
+    """Chunks one checkpoint apart: how they are joined (by the run, or merged by its stream
+    to the edge) depends on who runs first; the text, its order and the seqs never do."""
+    words = [f"w{i}" for i in range(2000)]
+    node = burst_node(drip=True)
+    events = await relayed(node, " ".join(words))
+    assert text_of(events) == "".join(w + " " for w in words)
+    stored = await node.store.events(events[0].run_id)
+    assert [e.seq for e in stored] == list(range(1, len(stored) + 1))
+    assert text_of(stored) == text_of(events)
+    seqs = [e.seq for e in events]
+    assert seqs == sorted(set(seqs)) and seqs[-1] == stored[-1].seq
+    # the wire never splits a stored delta: each relayed one ends where a stored one does
+    ends = {e.seq for e in stored}
+    assert all(e.seq in ends for e in events)
 
 
 class StepGate:

@@ -24,13 +24,21 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Collection,
+    Hashable,
+    Mapping,
+    Sequence,
+)
+from contextlib import asynccontextmanager
 from functools import partial
 
 import attrs
 import trio
 
-from ..adapters.base import Adapter, AdapterError, AdapterRequest, Delta
+from ..adapters.base import Adapter, AdapterError, AdapterRequest, Chunk, Delta
 from ..lifecycle import TRANSITIONS, RunState
 from ..model import (
     EventKind,
@@ -282,6 +290,96 @@ def _new_run_id() -> str:
     return uuid.uuid4().hex
 
 
+#: The most chunks :func:`gathered` reads ahead of the run that takes them.
+GATHER_LIMIT = 256
+
+
+class _Batches:
+    """The chunks a :func:`gathered` reader has taken, a batch at a time."""
+
+    def __init__(self, receive: trio.MemoryReceiveChannel[Chunk | Exception]) -> None:
+        self._receive = receive
+        self._error: Exception | None = None
+
+    def __repr__(self) -> str:
+        return f"<gathered chunks waiting={self._receive.statistics().current_buffer_used}>"
+
+    def __aiter__(self) -> _Batches:
+        return self
+
+    async def __anext__(self) -> list[Chunk]:
+        if self._error is not None:
+            raise self._error
+        try:
+            item = await self._receive.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+        batch: list[Chunk] = []
+        while True:
+            if isinstance(item, Exception):
+                if not batch:
+                    raise item
+                self._error = item  # raised at the next call, after this batch
+                return batch
+            batch.append(item)
+            try:
+                item = self._receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return batch
+
+
+@asynccontextmanager
+async def gathered(chunks: AsyncIterator[Chunk]) -> AsyncIterator[AsyncIterator[list[Chunk]]]:
+    """Read ``chunks`` in a task of its own and yield them in batches: each batch is every
+    chunk that came while the run taking them was busy (storing and publishing its
+    events), in order, so a run that is behind takes one batch a wakeup, not one chunk.
+
+    A run that keeps up gets each chunk as it comes, alone: the reading task gives way
+    at each network read (at each checkpoint of ``chunks``), and the run wakes then. At
+    most :data:`GATHER_LIMIT` chunks are read ahead; then the reading task waits, and so
+    does the engine's connection. An exception from ``chunks`` (an AdapterError) is
+    raised after the chunks before it have been taken. Leaving the block cancels the
+    reading task; ``chunks`` is then closed by its owner, as before (an adapter's stream
+    must, as trio asks of every async generator, hold no cancel scope across a yield).
+    """
+    send, receive = trio.open_memory_channel[Chunk | Exception](GATHER_LIMIT)
+
+    async def read() -> None:
+        with send:
+            try:
+                async for chunk in chunks:
+                    try:
+                        # no checkpoint while there is room: the next chunk is read at
+                        # once if it is here, so chunks gather until a network read
+                        send.send_nowait(chunk)
+                    except trio.WouldBlock:
+                        await send.send(chunk)
+            except Exception as exc:  # delivered in order, raised by the run
+                await send.send(exc)
+
+    # What leaves the block is raised as it is, after the nursery, not in a group (the
+    # run tells a node's shutdown by trio.Cancelled); the channels close without a
+    # checkpoint (one in the cancelled nursery would raise Cancelled in place of that
+    # exception, and the nursery would swallow it).
+    leaving: BaseException | None = None
+    with receive:
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read)
+                try:
+                    yield _Batches(receive)
+                except BaseException as exc:
+                    leaving = exc
+                finally:
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # the reader raises nothing but Cancelled (its errors go through the
+            # channel), from a cancel of a scope around this block: raise that
+            leaving = leaving or group.exceptions[0]
+    if leaving is not None:
+        raise leaving
+
+
 class RunManager:
     """Owns the runs of one node; see the module docstring for a run's life."""
 
@@ -473,35 +571,47 @@ class RunManager:
     async def _execute(
         self, live: _LiveRun, adapter: Adapter, request: AdapterRequest, target: TargetSpec
     ) -> _Outcome:
+        """Relay the adapter's stream as delta events. The chunks that came in while the
+        run was busy (the engine is faster than one event a chunk) become one delta:
+        the same text in the same order, fewer events (see :func:`gathered`)."""
         usage: Usage | None = None
         completed = False
         output = 0
         max_output = math.inf if target.max_output_bytes is None else target.max_output_bytes
         try:
-            async with adapter.open_stream(request) as chunks:
-                async for chunk in chunks:
-                    if completed:
-                        # the first Completion ends the run; the adapter may still be
-                        # reading the end of its response (so its connection is reused)
-                        log.debug("run %s: %r after the completion ignored", request.run_id, chunk)
-                    elif isinstance(chunk, Delta):
-                        if not chunk.text:
-                            continue
-                        output += len(chunk.text.encode())
-                        if output > max_output:
-                            return _Outcome(
-                                RunStatus.FAILED,
-                                "output_limit",
-                                f"the output passed {target.max_output_bytes} bytes "
-                                f"(max_output_bytes of {target.name}); the engine was stopped",
-                            )
-                        await self._emit(live, live.state.delta(chunk.text, time=self._now()))
-                    else:
-                        usage = chunk.usage
-                        completed = True
+            async with adapter.open_stream(request) as chunks, gathered(chunks) as batches:
+                async for batch in batches:
+                    text: list[str] = []
+                    for chunk in batch:
+                        if completed:
+                            # the first Completion ends the run; the adapter may still be
+                            # reading the end of its response (so its connection is reused)
+                            log.debug("run %s: %r after the completion", request.run_id, chunk)
+                        elif isinstance(chunk, Delta):
+                            output += len(chunk.text.encode())
+                            if output > max_output:
+                                await self._emit_text(live, text)
+                                return _Outcome(
+                                    RunStatus.FAILED,
+                                    "output_limit",
+                                    f"the output passed {target.max_output_bytes} bytes "
+                                    f"(max_output_bytes of {target.name}); the engine was "
+                                    "stopped",
+                                )
+                            text.append(chunk.text)
+                        else:
+                            usage = chunk.usage
+                            completed = True
+                    await self._emit_text(live, text)
         except AdapterError as exc:
             return _Outcome(RunStatus.FAILED, exc.reason, exc.message)
         return _Outcome(RunStatus.SUCCEEDED, usage=usage)
+
+    async def _emit_text(self, live: _LiveRun, text: list[str]) -> None:
+        """Emit the pieces of ``text`` as one delta event (none if they are empty)."""
+        joined = "".join(text)
+        if joined:
+            await self._emit(live, live.state.delta(joined, time=self._now()))
 
     def _start(self, live: _LiveRun) -> None:
         """Make the run's STARTED event and have the store write it at once, without
