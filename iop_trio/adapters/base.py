@@ -3,10 +3,12 @@
 An adapter instance serves one namespace (``ollama``, ``vllm-a``, ``echo``);
 targets name it as the part before the first ``/``. The runtime calls
 :meth:`Adapter.open_stream` once per run, inside the run's cancel scope, and
-iterates it: each :class:`Delta` becomes a DELTA event, and the stream ends
-with at most one :class:`Completion`. Leaving the ``async with`` block, for
-any reason including cancellation, must close the engine stream (HTTP
-response, socket) before it returns.
+iterates it in a task of the run's own: the :class:`Delta` s that came while the
+run was busy become one DELTA event, and the stream ends with at most one
+:class:`Completion`. So the iterator holds no cancel scope or nursery open
+across a ``yield`` (as trio asks of every async generator). Leaving the
+``async with`` block, for any reason including cancellation, must close the
+engine stream (HTTP response, socket) before it returns.
 """
 
 from __future__ import annotations
