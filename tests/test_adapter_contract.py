@@ -11,6 +11,7 @@ server-side events, under ``trio.fail_after`` bounds.
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -506,6 +507,23 @@ def test_transport_error_for_a_stalled_stream_says_so():
         "timeout",
         "here: the stream stalled: no data for 2.5s",
     )
+
+
+async def test_a_compressed_stream_is_decoded(wire, server):
+    """A body with a content-encoding is decoded (one without is read raw, as it is)."""
+    body = b"".join(wire.piece(word) for word in ("un", "zipped")) + wire.end(Usage("stop", 2, 2))
+    compressed = gzip.compress(body)
+    parts = [compressed[:10], compressed[10:]]
+    reply = Reply(
+        content_type=wire.content_type, headers=[("content-encoding", "gzip")], parts=parts
+    )
+    async with wire.adapter(server.url) as adapter:
+        node = make_node(adapter, model=wire.model)
+        server.push(reply)
+        async with node.running():
+            record, events = await run_to_end(node, spec(wire))
+    assert record.status is RunStatus.SUCCEEDED
+    assert "".join(deltas(events)) == "unzipped"
 
 
 async def test_what_arrives_in_one_read_is_one_delta(wire, server):

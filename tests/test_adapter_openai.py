@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import trio
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from iop_trio.adapters import (
@@ -388,3 +388,68 @@ def test_sse_decoder_ignores_chunking(lines, eol, cuts):
     pieces = [stream[a:b] for a, b in itertools.pairwise(bounds)]
     assert decode(*pieces) == whole
     assert len(whole) <= sum(1 for line in lines if line == "")
+
+
+class LineByLine(SSEDecoder):
+    """The decoder without its shortcut for whole ``data:`` events: the reference."""
+
+    def _whole_data_events(self, data: bytes) -> list[SSEEvent] | None:
+        return None
+
+
+DATA_LINE = st.text(alphabet="ab: \u2028é", max_size=6).map(lambda t: f"data:{t}")
+
+
+@settings(max_examples=400)
+@given(
+    events=st.lists(
+        st.lists(
+            # mostly what engines write, so that the shortcut is taken often
+            st.one_of(
+                DATA_LINE,
+                DATA_LINE,
+                DATA_LINE,
+                st.sampled_from([": c", "event: e", "id: 1", "data", "error: x"]),
+            ),
+            min_size=1,
+            max_size=2,
+        ),
+        max_size=8,
+    ),
+    bom=st.booleans(),
+    line_cuts=st.lists(st.integers(min_value=0, max_value=40), max_size=12),
+    cuts=st.lists(st.integers(min_value=0, max_value=300), max_size=3),
+)
+def test_the_shortcut_for_whole_data_events_decodes_as_the_line_by_line_path(
+    events, bom, line_cuts, cuts
+):
+    """What an engine writes (whole ``data:`` events, one a write) takes a shortcut; any
+    stream, cut at line ends (where whole events end, or inside an event) or anywhere,
+    decodes exactly as it does line by line."""
+    stream = ("\ufeff" if bom else "") + "".join("\n".join(e) + "\n\n" for e in events)
+    data = stream.encode()
+    line_ends = [i + 1 for i, byte in enumerate(data) if byte == ord("\n")]
+    at_lines = {line_ends[c] for c in line_cuts if c < len(line_ends)}
+    bounds = sorted(at_lines | {c for c in cuts if c <= len(data)} | {0, len(data)})
+    pieces = [data[a:b] for a, b in itertools.pairwise(bounds)]
+    fast, reference = SSEDecoder(), LineByLine()
+    for piece in pieces:
+        assert fast.feed(piece) == reference.feed(piece)
+
+
+def test_whole_data_events_take_the_shortcut():
+    decoder = SSEDecoder()
+    assert decoder.feed(b"data: a\n\n") == [SSEEvent("a")]  # the first feed: a BOM may lead
+    taken: list[bytes] = []
+    shortcut = decoder._whole_data_events
+    decoder._whole_data_events = lambda data: taken.append(data) or shortcut(data)  # type: ignore[method-assign]
+    assert decoder.feed(b"data: b\n\ndata:c\n\n") == [SSEEvent("b"), SSEEvent("c")]
+    assert decoder.feed(b"event: x\ndata: d\n\n") == [SSEEvent("d", "x")]  # not a shortcut
+    assert taken == [b"data: b\n\ndata:c\n\n", b"event: x\ndata: d\n\n"]
+    # an event begun in an earlier read is finished line by line
+    assert decoder.feed(b"event: y\n") == []
+    assert decoder.feed(b"data: e\n\n") == [SSEEvent("e", "y")]
+    assert decoder.feed(b"data: p\n") == []
+    assert decoder.feed(b"data: q\n\n") == [SSEEvent("p\nq")]
+    assert decoder.feed(b"data: r") == []
+    assert decoder.feed(b"data: s\n\n") == [SSEEvent("rdata: s")]

@@ -238,6 +238,11 @@ class LineSplitter:
             raise LineTooLong(f"a line is longer than {self._max_line} bytes")
         return lines
 
+    @property
+    def at_line_start(self) -> bool:
+        """Whether the next byte fed starts a line (nothing of an unfinished one held)."""
+        return not self._buffer and not self._after_cr
+
     def flush(self) -> bytes | None:
         """At the end of the stream: the unterminated last line, or None."""
         if not self._buffer:
@@ -281,11 +286,34 @@ class SSEDecoder:
 
     def feed(self, data: bytes) -> list[SSEEvent]:
         """The events completed by ``data``. Raises :class:`LineTooLong`."""
+        if (
+            not self._first
+            and not self._data
+            and not self._event
+            and data.endswith(b"\n\n")
+            and self._lines.at_line_start
+            and b"\r" not in data
+        ):
+            whole = self._whole_data_events(data)
+            if whole is not None:
+                return whole
         events = []
         for raw in self._lines.feed(data):
             event = self._line(raw.decode("utf-8", "replace"))
             if event is not None:
                 events.append(event)
+        return events
+
+    def _whole_data_events(self, data: bytes) -> list[SSEEvent] | None:
+        """The events of ``data`` if it is whole ``data: ...`` events and nothing else (what
+        an engine writes, one a token), else None: the line-by-line path decides. Between
+        events (nothing held), they are parsed exactly as that path would."""
+        events = []
+        for block in data[:-2].split(b"\n\n"):
+            if not block.startswith(b"data:") or b"\n" in block:
+                return None
+            value = block[6:] if block.startswith(b"data: ") else block[5:]
+            events.append(SSEEvent(value.decode("utf-8", "replace"), "message", self._last_id))
         return events
 
     def _line(self, line: str) -> SSEEvent | None:
@@ -369,7 +397,11 @@ class EngineResponse:
         self.response = response
         self.where = where
         self._timeout = timeout
-        self._chunks = response.aiter_bytes()
+        coding = response.headers.get("content-encoding", "").strip().lower()
+        # the raw bytes when there is nothing to decode: the same bytes, two generator
+        # layers fewer a chunk (an engine writes one a token)
+        plain = coding in ("", "identity")
+        self._chunks = response.aiter_raw() if plain else response.aiter_bytes()
         self.received = 0  # body bytes so far
 
     def __repr__(self) -> str:
