@@ -15,7 +15,7 @@ import trio.testing
 from iop_trio.adapters.base import Adapter, AdapterRequest, Chunk, Completion, Delta
 from iop_trio.model import EventKind, RunEvent, RunSpec, TargetSpec, Usage
 from iop_trio.runtime import Node
-from iop_trio.runtime.manager import GATHER_LIMIT, SYNC_EVERY
+from iop_trio.runtime.manager import GATHER_LIMIT, GATHER_TEXT, SYNC_EVERY, gathered
 from iop_trio.store.memory import MemoryStore
 from iop_trio.store.sqlite import SqliteStore
 
@@ -197,3 +197,32 @@ async def test_the_engine_request_goes_out_while_started_is_committed(tmp_path):
             gate.open()
             await store.aclose()
     assert record is not None and record.status.value == "succeeded"
+
+
+class Endless:
+    """Deltas of ``size`` characters for ever, none of them waiting: counts those taken."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.taken = 0
+
+    async def chunks(self) -> AsyncGenerator[Chunk, None]:
+        while True:
+            self.taken += 1
+            yield Delta("x" * self.size)
+
+
+async def test_a_run_that_takes_nothing_lets_its_reader_read_only_so_far_ahead():
+    for size, bound in (
+        (1, GATHER_LIMIT + 1),  # the channel's room, and the chunk waiting to go in
+        (2048, GATHER_TEXT // 2048 + 1),  # the text, and the chunk that passed it
+    ):
+        source = Endless(size)
+        async with gathered(source.chunks()) as batches:
+            await trio.testing.wait_all_tasks_blocked()
+            assert source.taken == bound
+            # taking what is there lets it read as far again, and no further
+            batch = await batches.__anext__()
+            assert "".join(c.text for c in batch if isinstance(c, Delta)) == "x" * size * len(batch)
+            await trio.testing.wait_all_tasks_blocked()
+            assert source.taken == bound + len(batch)

@@ -292,6 +292,9 @@ def _new_run_id() -> str:
 
 #: The most chunks :func:`gathered` reads ahead of the run that takes them.
 GATHER_LIMIT = 256
+#: The most characters of text :func:`gathered` reads ahead (so a run held up, by a
+#: store that is slow to write say, does not keep reading its engine into memory).
+GATHER_TEXT = 256 * 1024
 
 
 class _Batches:
@@ -300,9 +303,12 @@ class _Batches:
     def __init__(self, receive: trio.MemoryReceiveChannel[Chunk | Exception]) -> None:
         self._receive = receive
         self._error: Exception | None = None
+        self.text = 0  # characters of delta text read and not yet taken
+        self.room = trio.lowlevel.ParkingLot()  # the reader, waiting for the text to go
 
     def __repr__(self) -> str:
-        return f"<gathered chunks waiting={self._receive.statistics().current_buffer_used}>"
+        waiting = self._receive.statistics().current_buffer_used
+        return f"<gathered chunks waiting={waiting} text={self.text}>"
 
     def __aiter__(self) -> _Batches:
         return self
@@ -320,12 +326,16 @@ class _Batches:
                 if not batch:
                     raise item
                 self._error = item  # raised at the next call, after this batch
-                return batch
+                break
             batch.append(item)
+            if isinstance(item, Delta):
+                self.text -= len(item.text)
             try:
                 item = self._receive.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
-                return batch
+                break
+        self.room.unpark_all()
+        return batch
 
 
 @asynccontextmanager
@@ -336,24 +346,30 @@ async def gathered(chunks: AsyncIterator[Chunk]) -> AsyncIterator[AsyncIterator[
 
     A run that keeps up gets each chunk as it comes, alone: the reading task gives way
     at each network read (at each checkpoint of ``chunks``), and the run wakes then. At
-    most :data:`GATHER_LIMIT` chunks are read ahead; then the reading task waits, and so
-    does the engine's connection. An exception from ``chunks`` (an AdapterError) is
-    raised after the chunks before it have been taken. Leaving the block cancels the
-    reading task; ``chunks`` is then closed by its owner, as before (an adapter's stream
-    must, as trio asks of every async generator, hold no cancel scope across a yield).
+    most :data:`GATHER_LIMIT` chunks, and :data:`GATHER_TEXT` characters of text (and
+    the chunk that passed it), are read ahead; then the reading task waits, and so does
+    the engine's connection. An exception from ``chunks`` (an AdapterError) is raised
+    after the chunks before it have been taken. Leaving the block cancels the reading
+    task; ``chunks`` is then closed by its owner, as before (an adapter's stream must,
+    as trio asks of every async generator, hold no cancel scope across a yield).
     """
     send, receive = trio.open_memory_channel[Chunk | Exception](GATHER_LIMIT)
+    batches = _Batches(receive)
 
     async def read() -> None:
         with send:
             try:
                 async for chunk in chunks:
+                    if isinstance(chunk, Delta):
+                        batches.text += len(chunk.text)
                     try:
                         # no checkpoint while there is room: the next chunk is read at
                         # once if it is here, so chunks gather until a network read
                         send.send_nowait(chunk)
                     except trio.WouldBlock:
                         await send.send(chunk)
+                    while batches.text > GATHER_TEXT:
+                        await batches.room.park()
             except Exception as exc:  # delivered in order, raised by the run
                 await send.send(exc)
 
@@ -367,7 +383,7 @@ async def gathered(chunks: AsyncIterator[Chunk]) -> AsyncIterator[AsyncIterator[
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(read)
                 try:
-                    yield _Batches(receive)
+                    yield batches
                 except BaseException as exc:
                     leaving = exc
                 finally:
