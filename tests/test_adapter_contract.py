@@ -64,9 +64,10 @@ def assert_names_engine(wire: Wire, message: str, url: str) -> None:
     assert f"'{wire.model}'" in message
 
 
-async def run_failing(
+async def run_reply(
     wire: Wire, server: EngineServer, reply: Reply | None, **settings: Any
 ) -> tuple[Any, Any]:
+    """One run to its end against ``reply`` (pushed first, if given): (record, events)."""
     if reply is not None:
         server.push(reply)
     async with wire.adapter(server.url, **settings) as adapter:
@@ -172,7 +173,7 @@ async def test_bad_params_fail_before_any_request(wire, server, params):
 
 async def test_error_status_fails_the_run_with_the_engine_message(wire, server):
     reply = wire.error(500, "llama runner process has terminated: signal: killed")
-    record, events = await run_failing(wire, server, reply)
+    record, events = await run_reply(wire, server, reply)
     assert (record.status, record.reason) == (RunStatus.FAILED, "engine_error")
     assert "HTTP 500" in record.message
     assert "llama runner process has terminated: signal: killed" in record.message
@@ -181,21 +182,21 @@ async def test_error_status_fails_the_run_with_the_engine_message(wire, server):
 
 
 async def test_404_for_a_missing_model_is_model_not_found(wire, server):
-    record, _ = await run_failing(wire, server, wire.error(404, f"model '{wire.model}' not found"))
+    record, _ = await run_reply(wire, server, wire.error(404, f"model '{wire.model}' not found"))
     assert (record.status, record.reason) == (RunStatus.FAILED, "model_not_found")
     assert f"model '{wire.model}' not found" in record.message
 
 
 async def test_404_of_another_server_is_an_engine_error(wire, server):
     reply = Reply(404, content_type="text/plain", parts=[b"404 page not found"])
-    record, _ = await run_failing(wire, server, reply)
+    record, _ = await run_reply(wire, server, reply)
     assert (record.reason, record.status) == ("engine_error", RunStatus.FAILED)
     assert "HTTP 404 Not Found: 404 page not found" in record.message
 
 
 async def test_error_mid_stream_fails_the_run(wire, server):
     parts = [wire.piece("partial"), wire.error_part]
-    record, events = await run_failing(
+    record, events = await run_reply(
         wire, server, Reply(content_type=wire.content_type, parts=parts)
     )
     assert (record.status, record.reason) == (RunStatus.FAILED, "engine_error")
@@ -209,7 +210,7 @@ async def test_error_mid_stream_fails_the_run(wire, server):
 )
 async def test_bad_data_is_bad_response(wire, server, part):
     reply = Reply(content_type=wire.content_type, parts=[wire.piece("a"), part, wire.end(Usage())])
-    record, _ = await run_failing(wire, server, reply)
+    record, _ = await run_reply(wire, server, reply)
     assert (record.status, record.reason) == (RunStatus.FAILED, "bad_response")
     assert_names_engine(wire, record.message, server.url)
 
@@ -223,7 +224,7 @@ async def test_bad_data_is_bad_response(wire, server, part):
 async def test_empty_200_is_empty_response(wire, server, content_type, content_length):
     server.push(Reply(content_type=content_type, parts=[], content_length=content_length))
     server.push(Reply(200, parts=[b"{}"], content_length=True))  # the repeated request: fine
-    record, _ = await run_failing(wire, server, None)
+    record, _ = await run_reply(wire, server, None)
     assert (record.status, record.reason) == (RunStatus.FAILED, "empty_response")
     assert_names_engine(wire, record.message, server.url)
     assert "the same request without streaming was accepted, HTTP 200" in record.message
@@ -240,7 +241,7 @@ async def test_an_empty_streamed_answer_gets_the_engine_error_the_plain_request_
     server.push(Reply(content_type=wire.content_type, parts=[]))
     too_long = "the request exceeds the available context size, try increasing it"
     server.push(wire.error(400, too_long))
-    record, _ = await run_failing(wire, server, None)
+    record, _ = await run_reply(wire, server, None)
     assert (record.status, record.reason) == (RunStatus.FAILED, "engine_error")
     assert "HTTP 400 Bad Request" in record.message
     assert too_long in record.message
@@ -254,7 +255,7 @@ async def test_the_repeated_request_goes_again_if_its_connection_was_dropped(wir
     server.push(Reply(content_type=wire.content_type, parts=[]))
     server.push(Reply(end="reset", headers_now=False))
     server.push(wire.error(400, "the request exceeds the available context size"))
-    record, _ = await run_failing(wire, server, None)
+    record, _ = await run_reply(wire, server, None)
     assert (record.status, record.reason) == (RunStatus.FAILED, "engine_error")
     assert "exceeds the available context size" in record.message
     assert len(server.exchanges) == 3
@@ -263,14 +264,14 @@ async def test_the_repeated_request_goes_again_if_its_connection_was_dropped(wir
 async def test_an_empty_streamed_answer_whose_repeat_never_comes_is_empty_response(wire, server):
     server.push(Reply(content_type=wire.content_type, parts=[]))
     server.push(Reply.silent())
-    record, _ = await run_failing(wire, server, None, read_timeout=0.5)
+    record, _ = await run_reply(wire, server, None, read_timeout=0.5)
     assert (record.status, record.reason) == (RunStatus.FAILED, "empty_response")
     assert "asked again: " in record.message
     assert "no response within 0.5s" in record.message
 
 
 async def test_stream_without_its_end_is_truncated(wire, server):
-    record, events = await run_failing(wire, server, wire.reply(["a", "b"], done=False))
+    record, events = await run_reply(wire, server, wire.reply(["a", "b"], done=False))
     assert (record.status, record.reason) == (RunStatus.FAILED, "bad_response")
     assert "truncated" in record.message
     assert "".join(deltas(events)) == "ab"  # one delta or two: what came at once is joined
@@ -279,7 +280,7 @@ async def test_stream_without_its_end_is_truncated(wire, server):
 @pytest.mark.faults
 @pytest.mark.parametrize("end", ["abort", "reset"])
 async def test_connection_dropped_mid_stream_is_connection(wire, server, end):
-    record, events = await run_failing(wire, server, wire.reply(["a"], done=False, end=end))
+    record, events = await run_reply(wire, server, wire.reply(["a"], done=False, end=end))
     assert (record.status, record.reason) == (RunStatus.FAILED, "connection")
     assert_names_engine(wire, record.message, server.url)
     assert deltas(events) == ["a"]
@@ -287,7 +288,7 @@ async def test_connection_dropped_mid_stream_is_connection(wire, server, end):
 
 @pytest.mark.faults
 async def test_closed_without_a_response_is_connection(wire, server):
-    record, _ = await run_failing(wire, server, Reply(end="abort", headers_now=False))
+    record, _ = await run_reply(wire, server, Reply(end="abort", headers_now=False))
     assert (record.status, record.reason) == (RunStatus.FAILED, "connection")
     assert "before responding" in record.message
 
@@ -295,7 +296,7 @@ async def test_closed_without_a_response_is_connection(wire, server):
 @pytest.mark.faults
 async def test_engine_that_never_answers_times_out(wire, server):
     reply = server.push(Reply.silent())
-    record, _ = await run_failing(wire, server, None, read_timeout=0.5)
+    record, _ = await run_reply(wire, server, None, read_timeout=0.5)
     assert (record.status, record.reason) == (RunStatus.FAILED, "timeout")
     assert "no response within 0.5s" in record.message
     assert_names_engine(wire, record.message, server.url)
@@ -307,7 +308,7 @@ async def test_engine_that_never_answers_times_out(wire, server):
 @pytest.mark.faults
 async def test_stream_that_stalls_times_out(wire, server):
     reply = server.push(wire.reply(["a"], done=False, end="hang"))
-    record, events = await run_failing(wire, server, None, read_timeout=0.5)
+    record, events = await run_reply(wire, server, None, read_timeout=0.5)
     assert (record.status, record.reason) == (RunStatus.FAILED, "timeout")
     assert "stalled: no data for 0.5s" in record.message
     assert deltas(events) == ["a"]
@@ -514,14 +515,9 @@ async def test_a_compressed_stream_is_decoded(wire, server):
     body = b"".join(wire.piece(word) for word in ("un", "zipped")) + wire.end(Usage("stop", 2, 2))
     compressed = gzip.compress(body)
     parts = [compressed[:10], compressed[10:]]
-    reply = Reply(
-        content_type=wire.content_type, headers=[("content-encoding", "gzip")], parts=parts
-    )
-    async with wire.adapter(server.url) as adapter:
-        node = make_node(adapter, model=wire.model)
-        server.push(reply)
-        async with node.running():
-            record, events = await run_to_end(node, spec(wire))
+    gzipped = [("content-encoding", "gzip")]
+    reply = Reply(content_type=wire.content_type, headers=gzipped, parts=parts)
+    record, events = await run_reply(wire, server, reply)
     assert record.status is RunStatus.SUCCEEDED
     assert "".join(deltas(events)) == "unzipped"
 
@@ -531,15 +527,11 @@ async def test_what_arrives_in_one_read_is_one_delta(wire, server):
     delta (same text, same order); what came before a fault in that read is kept."""
     together = b"".join(wire.piece(word) for word in ("one", " two", " three"))
     reply = Reply(content_type=wire.content_type, parts=[together + wire.end(Usage("stop", 2, 3))])
-    async with wire.adapter(server.url) as adapter:
-        node = make_node(adapter, model=wire.model)
-        server.push(reply)
-        async with node.running():
-            record, events = await run_to_end(node, spec(wire))
+    record, events = await run_reply(wire, server, reply)
     assert record.status is RunStatus.SUCCEEDED
     assert deltas(events) == ["one two three"]
     parts = [wire.piece("kept") + wire.piece(" too") + wire.error_part]
-    record, events = await run_failing(
+    record, events = await run_reply(
         wire, server, Reply(content_type=wire.content_type, parts=parts)
     )
     assert (record.status, record.reason) == (RunStatus.FAILED, "engine_error")
