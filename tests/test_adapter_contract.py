@@ -329,6 +329,29 @@ async def test_connection_refused_fails_the_run(wire):
     assert "cannot connect" in record.message
 
 
+async def test_trust_env_sends_runs_through_the_environments_proxy(wire, server, monkeypatch):
+    """With ``trust_env`` a run's request goes where the client's proxy settings say (here:
+    the fake engine, as an HTTP proxy); without it they are ignored."""
+    monkeypatch.setenv("HTTP_PROXY", server.url)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    behind = "http://engine.invalid:9"  # reachable only through the proxy
+    reply = server.push(wire.reply(["via ", "proxy"]))
+    async with wire.adapter(behind, trust_env=True) as adapter:
+        node = make_node(adapter, model=wire.model)
+        async with node.running():
+            record, events = await run_to_end(node, spec(wire))
+    assert record.status is RunStatus.SUCCEEDED
+    assert "".join(deltas(events)) == "via proxy"
+    exchange = await reply.request()
+    assert exchange.path == behind + wire.path  # a proxy's request names the whole URL
+    async with wire.adapter(behind) as adapter:
+        node = make_node(adapter, model=wire.model)
+        async with node.running():
+            record, _ = await run_to_end(node, spec(wire))
+    assert (record.status, record.reason) == (RunStatus.FAILED, "connection")
+
+
 # --- cancellation -----------------------------------------------------------------------------
 
 

@@ -510,6 +510,9 @@ class HTTPAdapter(Adapter):
         )
         self._client = client
         self._owns_client = client is None
+        # the pool under the client this adapter made, which routes every URL to it (no
+        # proxies from the environment): a run's request goes to it straight
+        self._transport: httpx.AsyncHTTPTransport | None = None
 
     def __repr__(self) -> str:
         cap = self.capabilities.max_concurrency
@@ -528,11 +531,17 @@ class HTTPAdapter(Adapter):
     def client(self) -> httpx.AsyncClient:
         """The shared client (made on first use, again after :meth:`aclose`)."""
         if self._client is None or (self._owns_client and self._client.is_closed):
-            self._client = httpx.AsyncClient(
-                timeout=self.timeout,
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
-                trust_env=self.settings.trust_env,
-            )
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
+            if self.settings.trust_env:  # the client picks a proxy a URL
+                self._transport = None
+                self._client = httpx.AsyncClient(
+                    timeout=self.timeout, limits=limits, trust_env=True
+                )
+            else:
+                self._transport = httpx.AsyncHTTPTransport(limits=limits)
+                self._client = httpx.AsyncClient(
+                    timeout=self.timeout, transport=self._transport, trust_env=False
+                )
             self._owns_client = True
         return self._client
 
@@ -541,6 +550,20 @@ class HTTPAdapter(Adapter):
         if self._client is not None and self._owns_client:
             client, self._client = self._client, None
             await client.aclose()
+
+    async def _send_streamed(
+        self, client: httpx.AsyncClient, request: httpx.Request
+    ) -> httpx.Response:
+        """``client.send(request, stream=True)``; for the client this adapter made, straight
+        to its transport: the same request (built by the client: headers, timeouts) and
+        the same pool, without the client's auth, redirect, cookie and logging layers,
+        which this adapter does not use and which cost about 0.3 ms of CPU a request."""
+        transport = self._transport
+        if transport is None or client is not self._client or not self._owns_client:
+            return await client.send(request, stream=True)
+        response = await transport.handle_async_request(request)
+        response.request = request
+        return response
 
     def where(self, url: str, model: str) -> str:
         """How messages name an engine endpoint and model."""
@@ -713,7 +736,7 @@ class HTTPAdapter(Adapter):
                 "invalid_params", f"{where}: cannot send the request: {exc}"
             ) from exc
         try:
-            response = await client.send(http_request, stream=True)
+            response = await self._send_streamed(client, http_request)
         except httpx.HTTPError as exc:
             raise transport_error(exc, where, self.timeout, streaming=False) from exc
         engine = EngineResponse(response, where, self.timeout)
