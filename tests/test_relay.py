@@ -15,7 +15,13 @@ import trio.testing
 from iop_trio.adapters.base import Adapter, AdapterRequest, Chunk, Completion, Delta
 from iop_trio.model import EventKind, RunEvent, RunSpec, TargetSpec, Usage
 from iop_trio.runtime import Node
-from iop_trio.runtime.manager import GATHER_LIMIT, GATHER_TEXT, SYNC_EVERY, gathered
+from iop_trio.runtime.manager import (
+    GATHER_LIMIT,
+    GATHER_TEXT,
+    MAX_DELTA_TEXT,
+    SYNC_EVERY,
+    gathered,
+)
 from iop_trio.store.memory import MemoryStore
 from iop_trio.store.sqlite import SqliteStore
 
@@ -226,3 +232,15 @@ async def test_a_run_that_takes_nothing_lets_its_reader_read_only_so_far_ahead()
             assert "".join(c.text for c in batch if isinstance(c, Delta)) == "x" * size * len(batch)
             await trio.testing.wait_all_tasks_blocked()
             assert source.taken == bound + len(batch)
+
+
+async def test_a_delta_made_of_gathered_chunks_stays_within_its_size():
+    """However much came at once, one delta carries at most MAX_DELTA_TEXT characters
+    (so its frame stays far below max_message_size); the text is whole and in order."""
+    words = [f"{i:04d}" + "x" * 995 for i in range(300)]  # 1,000 characters each
+    node = burst_node()
+    events = await relayed(node, " ".join(words))
+    stored = await node.store.events(events[0].run_id)
+    sizes = [len(e.text) for e in stored if e.kind is EventKind.DELTA]
+    assert len(sizes) > 1 and max(sizes) <= MAX_DELTA_TEXT
+    assert text_of(stored) == text_of(events) == "".join(w + " " for w in words)

@@ -295,6 +295,9 @@ GATHER_LIMIT = 256
 #: The most characters of text :func:`gathered` reads ahead (so a run held up, by a
 #: store that is slow to write say, does not keep reading its engine into memory).
 GATHER_TEXT = 256 * 1024
+#: The most text (characters) of one delta a run makes of gathered chunks, so its frame
+#: stays far below max_message_size (one chunk longer than that is kept whole).
+MAX_DELTA_TEXT = 64 * 1024
 
 
 class _Batches:
@@ -598,11 +601,14 @@ class RunManager:
             async with adapter.open_stream(request) as chunks, gathered(chunks) as batches:
                 async for batch in batches:
                     text: list[str] = []
+                    size = 0
                     for chunk in batch:
                         if completed:
                             # the first Completion ends the run; the adapter may still be
                             # reading the end of its response (so its connection is reused)
-                            log.debug("run %s: %r after the completion", request.run_id, chunk)
+                            log.debug(
+                                "run %s: %r after the completion ignored", request.run_id, chunk
+                            )
                         elif isinstance(chunk, Delta):
                             output += len(chunk.text.encode())
                             if output > max_output:
@@ -614,7 +620,11 @@ class RunManager:
                                     f"(max_output_bytes of {target.name}); the engine was "
                                     "stopped",
                                 )
+                            if size and size + len(chunk.text) > MAX_DELTA_TEXT:
+                                await self._emit_text(live, text)
+                                text, size = [], 0
                             text.append(chunk.text)
+                            size += len(chunk.text)
                         else:
                             usage = chunk.usage
                             completed = True
