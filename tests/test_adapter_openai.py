@@ -453,3 +453,7 @@ def test_whole_data_events_take_the_shortcut():
     assert decoder.feed(b"data: q\n\n") == [SSEEvent("p\nq")]
     assert decoder.feed(b"data: r") == []
     assert decoder.feed(b"data: s\n\n") == [SSEEvent("rdata: s")]
+    # a BOM is dropped only at the very start, whichever path read that
+    later = SSEDecoder()
+    assert later.feed(b"data: a\n\n") == [SSEEvent("a")]
+    assert later.feed("\ufeffdata: b\n\n".encode()) == []  # a field named "\ufeffdata"
