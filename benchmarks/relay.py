@@ -51,7 +51,11 @@ utime + stime of all its threads, read at the start and the end of each window):
   state; runs/s and tokens/s are steady-state figures throughout.
 
 Each cell prints direct, iop, and iop/direct: ratios of rates and latencies
-and the first-token time the relay adds (p50, ms). Where only a few runs end
+and the first-token time the relay adds (p50, ms). At C=1 a last line splits the
+first token's time in two, for both paths: from the run's start until the engine
+has the request, and from the engine's writing the first token until the client
+has it (the engine notes its times on CLOCK_MONOTONIC, which every process on the
+machine shares; the n-th request it gets is the n-th run). Where only a few runs end
 in a window (256 tokens at 20 ms: 1-8), runs/s moves in steps of a run;
 read tokens/s there. Machine facts, the processes' idle CPU and the load
 average are printed at the start and the end. Figures are printed, never
@@ -120,6 +124,7 @@ SETTLE_TIMEOUT = 60.0  # seconds to wait for the engine and the node to go idle
 IDLE_SECONDS = 2.0  # how long the processes' idle CPU is measured
 PR_SET_PDEATHSIG = 1
 QUIET_SECONDS, QUIET_CPU = 0.5, 0.02  # between measurements: node and edge CPU at most this
+MAX_TIMES = 100_000  # request times the engine keeps for --split (a C=1 window has fewer)
 
 # --- the fake engine (its own process: relay.py --engine) --------------------------------
 
@@ -133,6 +138,10 @@ class EngineState:
     requests: int = 0
     tokens_sent: int = 0
     ids: int = 0
+    # CLOCK_MONOTONIC (the same in every process) when each completion request came and
+    # when its first token went out: what --split pairs with the client's own times
+    arrivals: list[float] = attrs.field(factory=list)
+    first_tokens: list[float] = attrs.field(factory=list)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -201,6 +210,8 @@ async def stream_completion(
     run = f"chatcmpl-bench-{state.ids}"
     piece = chunk(run, model, {"content": TOKEN_TEXT})
     state.requests += 1
+    if len(state.arrivals) < MAX_TIMES:
+        state.arrivals.append(time.monotonic())
     state.in_flight += 1
     state.peak = max(state.peak, state.in_flight)
     try:
@@ -208,9 +219,11 @@ async def stream_completion(
         head = conn.send(h11.Response(status_code=200, headers=headers)) or b""
         head += conn.send(h11.Data(data=chunk(run, model, {"role": "assistant", "content": ""})))
         await stream.send_all(head)
-        for _ in range(tokens):
+        for index in range(tokens):
             if delay:
                 await trio.sleep(delay)
+            if index == 0 and len(state.first_tokens) < MAX_TIMES:
+                state.first_tokens.append(time.monotonic())
             await stream.send_all(conn.send(h11.Data(data=piece)) or b"")
             state.tokens_sent += 1
         tail = chunk(run, model, {}, "stop")
@@ -252,7 +265,12 @@ async def engine_connection(state: EngineState, stream: trio.SocketStream) -> No
                 state.delay = float(config["delay"])
                 state.peak = state.in_flight
                 state.requests = state.tokens_sent = 0
+                state.arrivals.clear()
+                state.first_tokens.clear()
                 await send_json(stream, conn, 200, state.stats())
+            elif path == b"/bench/times":
+                times = {"arrivals": state.arrivals, "first_tokens": state.first_tokens}
+                await send_json(stream, conn, 200, times)
             elif path == b"/v1/models":  # what a node asks to see that the engine is up
                 model = {"id": MODEL, "object": "model", "owned_by": "relay-bench"}
                 await send_json(stream, conn, 200, {"object": "list", "data": [model]})
@@ -439,12 +457,23 @@ class Tally:
     ttft: list[float] = attrs.field(factory=list)
     e2e: list[float] = attrs.field(factory=list)
     failures: list[str] = attrs.field(factory=list)
+    # every run's start, in order, and the time of its first text (trio clock)
+    starts: list[float] = attrs.field(factory=list)
+    first_texts: dict[float, float] = attrs.field(factory=dict)
 
     def _in(self, now: float) -> bool:
         return self.start <= now < self.end
 
+    def begin(self) -> float:
+        """A run starts now: its start time."""
+        now = trio.current_time()
+        self.starts.append(now)
+        return now
+
     def text(self, began: float, first: bool, size: int) -> None:
         now = trio.current_time()
+        if first:
+            self.first_texts[began] = now
         if self._in(now):
             self.chars += size
             if first:
@@ -473,6 +502,10 @@ class Figures:
     cpu: dict[str, float]  # process -> CPU seconds in the window
     peak: int
     failures: Sequence[str]
+    # C=1 only: a run's start to the engine's having its request, and the engine's
+    # writing the first token to the client's having it (seconds)
+    to_engine: Sequence[float] = ()
+    from_engine: Sequence[float] = ()
 
     @property
     def runs_s(self) -> float:
@@ -616,8 +649,15 @@ class Bench:
             cpu.setdefault("start", cpu["end"])
             if not stats:
                 stats.update(await self.engine("/bench/stats"))
+        to_engine: list[float] = []
+        from_engine: list[float] = []
+        if callers == 1:  # one run at a time: the n-th request the engine got is the n-th run's
+            times = await self.engine("/bench/times")
+            to_engine, from_engine = split_ttft(tally, times["arrivals"], times["first_tokens"])
         await self.settle()
         return Figures(
+            to_engine=to_engine,
+            from_engine=from_engine,
             window=max(tally.end - tally.start, 1e-9),
             runs=tally.runs,
             tokens=tally.chars / len(TOKEN_TEXT),
@@ -647,7 +687,7 @@ class Bench:
             async with httpx.AsyncClient(timeout=60, limits=limits) as http:
 
                 async def one(tally: Tally) -> None:
-                    began = trio.current_time()
+                    began = tally.begin()
                     chars = 0
                     try:
                         async with (
@@ -676,7 +716,7 @@ class Bench:
             async with open_runner(self.edge_url, token=self.token) as client:
 
                 async def one(tally: Tally) -> None:
-                    began = trio.current_time()
+                    began = tally.begin()
                     chars = 0
                     try:
                         async with client.run(spec) as stream:
@@ -694,6 +734,24 @@ class Bench:
                 yield one
 
         return await self.measure(tokens, delay, callers, connect)
+
+
+def split_ttft(
+    tally: Tally, arrivals: Sequence[float], first_tokens: Sequence[float]
+) -> tuple[list[float], list[float]]:
+    """Pair each run (one at a time) with the engine's times for the same request: the
+    part of its first-token time on the way to the engine and on the way back.
+
+    The engine's times are CLOCK_MONOTONIC, the clock of ``time.monotonic`` in every
+    process; trio's is ``perf_counter`` (CLOCK_MONOTONIC on Linux) plus an offset."""
+    offset = trio.current_time() - time.perf_counter()
+    to_engine, from_engine = [], []
+    for began, arrived, written in zip(tally.starts, arrivals, first_tokens, strict=False):
+        first = tally.first_texts.get(began)
+        if first is not None and tally.start <= first < tally.end:
+            to_engine.append(arrived - (began - offset))
+            from_engine.append((first - offset) - written)
+    return to_engine, from_engine
 
 
 async def read_sse(response: httpx.Response, tally: Tally, began: float) -> tuple[str | None, int]:
@@ -794,6 +852,19 @@ def ratio_row(cell: str, direct: Figures, iop: Figures) -> str:
     )
 
 
+def split_row(direct: Figures, iop: Figures) -> str:
+    """Where the first token's time goes at C=1: the way to the engine and back (p50)."""
+
+    def ms(values: Sequence[float]) -> str:
+        return f"{percentile(values, 50) * 1000:.2f} ms"
+
+    return (
+        f"{'':>18}first token p50: to the engine {ms(iop.to_engine)} "
+        f"(direct {ms(direct.to_engine)}), from its first token {ms(iop.from_engine)} "
+        f"(direct {ms(direct.from_engine)})"
+    )
+
+
 def git(*args: str) -> str:
     """A read-only git command in the repository; its output, or "?"."""
     try:
@@ -871,6 +942,8 @@ async def run_matrix(bench: Bench, ns: argparse.Namespace, store: str) -> None:
                 if ns.cpu_detail:
                     print(f"{'':>18}{iop.detail()}")
                 print(ratio_row(cell, direct, iop))
+                if direct.to_engine and iop.to_engine:
+                    print(split_row(direct, iop))
             print()
 
 
