@@ -85,6 +85,11 @@ class RejectReason(enum.Enum):
 #: Reasons a REJECTED event may carry; other terminal events take free-form reasons.
 REJECT_REASONS = frozenset(r.value for r in RejectReason)
 
+#: The most text (characters) of a delta joined of several pieces (by a run from what its
+#: engine sent at once, or on the wire from deltas that waited), so its frame stays far
+#: below max_message_size; one piece longer than that is kept whole.
+MAX_JOINED_TEXT = 64 * 1024
+
 
 @attrs.frozen
 class Usage:

@@ -13,12 +13,11 @@ import trio
 import trio.testing
 
 from iop_trio.adapters.base import Adapter, AdapterRequest, Chunk, Completion, Delta
-from iop_trio.model import EventKind, RunEvent, RunSpec, TargetSpec, Usage
+from iop_trio.model import MAX_JOINED_TEXT, EventKind, RunEvent, RunSpec, TargetSpec, Usage
 from iop_trio.runtime import Node
 from iop_trio.runtime.manager import (
     GATHER_LIMIT,
     GATHER_TEXT,
-    MAX_DELTA_TEXT,
     SYNC_EVERY,
     gathered,
 )
@@ -235,12 +234,12 @@ async def test_a_run_that_takes_nothing_lets_its_reader_read_only_so_far_ahead()
 
 
 async def test_a_delta_made_of_gathered_chunks_stays_within_its_size():
-    """However much came at once, one delta carries at most MAX_DELTA_TEXT characters
+    """However much came at once, one delta carries at most MAX_JOINED_TEXT characters
     (so its frame stays far below max_message_size); the text is whole and in order."""
     words = [f"{i:04d}" + "x" * 995 for i in range(300)]  # 1,000 characters each
     node = burst_node()
     events = await relayed(node, " ".join(words))
     stored = await node.store.events(events[0].run_id)
     sizes = [len(e.text) for e in stored if e.kind is EventKind.DELTA]
-    assert len(sizes) > 1 and max(sizes) <= MAX_DELTA_TEXT
+    assert len(sizes) > 1 and max(sizes) <= MAX_JOINED_TEXT
     assert text_of(stored) == text_of(events) == "".join(w + " " for w in words)

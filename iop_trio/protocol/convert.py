@@ -14,6 +14,7 @@ from google.protobuf import json_format, struct_pb2
 
 from .._gen.iop import runtime_pb2 as pb
 from ..model import (
+    MAX_JOINED_TEXT,
     TERMINAL_STATUSES,
     EventKind,
     InvalidRequest,
@@ -117,14 +118,11 @@ def event_to_pb(event: RunEvent) -> pb.RunEvent:
     return message
 
 
-#: The most text (characters) one merged delta carries, so its frame stays far below
-#: any max_message_size.
-MAX_MERGED_TEXT = 64 * 1024
 _DELTA_PB = pb.EVENT_KIND_DELTA
 
 
 def merge_deltas(
-    events: Iterable[pb.RunEvent], max_text: int = MAX_MERGED_TEXT
+    events: Iterable[pb.RunEvent], max_text: int = MAX_JOINED_TEXT
 ) -> list[pb.RunEvent]:
     """``events`` with each run of consecutive DELTA events of one run merged into one.
 

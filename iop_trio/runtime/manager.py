@@ -41,6 +41,7 @@ import trio
 from ..adapters.base import Adapter, AdapterError, AdapterRequest, Chunk, Delta
 from ..lifecycle import TRANSITIONS, RunState
 from ..model import (
+    MAX_JOINED_TEXT,
     EventKind,
     InvalidRequest,
     NodeUnavailable,
@@ -295,9 +296,6 @@ GATHER_LIMIT = 256
 #: The most characters of text :func:`gathered` reads ahead (so a run held up, by a
 #: store that is slow to write say, does not keep reading its engine into memory).
 GATHER_TEXT = 256 * 1024
-#: The most text (characters) of one delta a run makes of gathered chunks, so its frame
-#: stays far below max_message_size (one chunk longer than that is kept whole).
-MAX_DELTA_TEXT = 64 * 1024
 
 
 class _Batches:
@@ -620,7 +618,7 @@ class RunManager:
                                     f"(max_output_bytes of {target.name}); the engine was "
                                     "stopped",
                                 )
-                            if size and size + len(chunk.text) > MAX_DELTA_TEXT:
+                            if size and size + len(chunk.text) > MAX_JOINED_TEXT:
                                 await self._emit_text(live, text)
                                 text, size = [], 0
                             text.append(chunk.text)
