@@ -28,7 +28,6 @@ from trio_websocket import WebSocketConnection
 
 from ..model import InvalidRequest, RunSpec, tenant_problem
 from ..protocol import Request, Role, pb
-from ..protocol.convert import merge_deltas
 from ..transport.caller import ACK_TIMEOUT, RunnerClient, RunStream
 from ..transport.server import serve_proto, shared_token
 from ..transport.session import (
@@ -485,10 +484,7 @@ class Edge:
                         await session.reply(request.nonce, "run_accepted", reply)
                         continue
                     # while the client is behind, events gather and deltas go merged
-                    await session.wait_for_room()
-                    events = [reply, *replies.ready()]
-                    for event in merge_deltas(events):  # type: ignore[arg-type]
-                        await session.reply(request.nonce, "run_event", event)
+                    await session.reply_events(request.nonce, reply, replies.ready)  # type: ignore[arg-type]
                 finished = True
         finally:
             handle.in_flight -= 1

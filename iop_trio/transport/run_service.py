@@ -15,7 +15,6 @@ from ..protocol import Request, pb
 from ..protocol.convert import (
     event_to_pb,
     limits_to_pb,
-    merge_deltas,
     spec_from_request,
     status_from_pb,
     status_to_pb,
@@ -93,16 +92,13 @@ class RunService:
         await self._stream(session, nonce, record.run_id, after_seq=0)
 
     async def _stream(self, session: ProtoSession, nonce: int, run_id: str, after_seq: int) -> None:
-        """Send the run's events from ``after_seq`` on. While the session is behind
-        (:meth:`ProtoSession.wait_for_room`) events gather, and the deltas among them go
-        out merged (:func:`merge_deltas`): fewer, larger frames, the same text in the same
-        order; a peer that keeps up gets each delta as it comes."""
+        """Send the run's events from ``after_seq`` on; while the session is behind they
+        gather and go out merged (:meth:`ProtoSession.reply_events`)."""
         watcher = self.node.manager.watch(run_id, after_seq=after_seq)
         async for event in watcher:
-            await session.wait_for_room()
-            events = [event_to_pb(event), *map(event_to_pb, watcher.ready())]
-            for message in merge_deltas(events):
-                await session.reply(nonce, "run_event", message)
+            await session.reply_events(
+                nonce, event_to_pb(event), lambda: map(event_to_pb, watcher.ready())
+            )
 
     async def _on_cancel_run(
         self, session: ProtoSession, nonce: int, message: pb.CancelRun

@@ -39,7 +39,7 @@ import collections
 import itertools
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager, suppress
 
 import attrs
@@ -48,6 +48,7 @@ from google.protobuf.message import Message
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from ..protocol import ProtocolError, ProtoConnection, Reply, Request, Role, StaleReply, pb
+from ..protocol.convert import merge_deltas
 
 log = logging.getLogger(__name__)
 
@@ -588,6 +589,22 @@ class ProtoSession:
         """Answer the peer's request ``reply_to`` (raises SessionClosed if gone)."""
         await self._send(self._conn.reply(reply_to, kind, message))
         self._answered(reply_to)
+
+    async def reply_events(
+        self,
+        reply_to: int,
+        first: pb.RunEvent,
+        ready: Callable[[], Iterable[pb.RunEvent]],
+    ) -> None:
+        """Answer ``reply_to`` with run events: wait in line while the session is behind
+        (:meth:`wait_for_room`), then send ``first`` and every event ``ready()`` gives
+        now, neighbouring deltas merged (:func:`merge_deltas`). So a stream that keeps up
+        sends each event as it comes, and one that is behind fewer, larger frames: the
+        same text in the same order. ``ready`` is called only after the wait, so the
+        events that came during it go too."""
+        await self.wait_for_room()
+        for message in merge_deltas([first, *ready()]):
+            await self.reply(reply_to, "run_event", message)
 
     async def error(
         self, reply_to: int, code: int, message: str, *, retry_after: float | None = None
