@@ -533,7 +533,6 @@ class HTTPAdapter(Adapter):
         if self._client is None or (self._owns_client and self._client.is_closed):
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
             if self.settings.trust_env:  # the client picks a proxy a URL
-                self._transport = None
                 self._client = httpx.AsyncClient(
                     timeout=self.timeout, limits=limits, trust_env=True
                 )
@@ -548,8 +547,8 @@ class HTTPAdapter(Adapter):
     async def aclose(self) -> None:
         """Close the client this adapter made (an injected one is left open)."""
         if self._client is not None and self._owns_client:
-            client, self._client = self._client, None
-            await client.aclose()
+            client, self._client, self._transport = self._client, None, None
+            await client.aclose()  # and its transport
 
     async def _send_streamed(
         self, client: httpx.AsyncClient, request: httpx.Request
@@ -558,8 +557,8 @@ class HTTPAdapter(Adapter):
         to its transport: the same request (built by the client: headers, timeouts) and
         the same pool, without the client's auth, redirect, cookie and logging layers,
         which this adapter does not use and which cost about 0.3 ms of CPU a request."""
-        transport = self._transport
-        if transport is None or client is not self._client or not self._owns_client:
+        transport = self._transport  # set only with the client this adapter made
+        if transport is None:
             return await client.send(request, stream=True)
         response = await transport.handle_async_request(request)
         response.request = request
