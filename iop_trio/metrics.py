@@ -137,7 +137,11 @@ METRICS: tuple[MetricInfo, ...] = (
         "bad_response, empty_response, run_timeout, output_limit, store_unavailable, ...).",
     ),
     MetricInfo(
-        "iop_run_deltas_total", "counter", ("target",), "Output deltas (stream chunks) sent."
+        "iop_run_deltas_total",
+        "counter",
+        ("target",),
+        "Output delta events stored and sent (one joins what the engine sent while the run "
+        "was busy: not a token count).",
     ),
     MetricInfo(
         "iop_run_tokens_total",
