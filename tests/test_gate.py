@@ -193,6 +193,39 @@ async def test_tokens_are_taken_at_every_level_and_given_back(autojump_clock):
     assert stats.tenants["t"].borrowed == stats.global_.borrowed == 0
 
 
+async def test_enter_now_grants_what_enter_would_grant_at_once_and_else_changes_nothing():
+    gate = gate_with({"echo/a": 1, "echo/b": 1})
+    gate.set_tenant("t", TenantLimits(concurrency=1))
+    first = gate.enter_now("one", "echo/a", tenant="t", priority=2)
+    assert first is not None
+    stats = gate.statistics()
+    assert stats.tenants["t"].borrowed == stats.targets["echo/a"].borrowed == 1
+    assert stats.global_.borrowed == stats.adapters["echo"].borrowed == 1
+    assert stats.running_by_priority == {2: 1}
+    before = gate.statistics()
+    # the target is full, then the tenant is: nothing is queued, refused or remembered
+    assert gate.enter_now("two", "echo/a", tenant="passing") is None
+    assert gate.enter_now("three", "echo/b", tenant="t") is None
+    assert gate.statistics() == before
+    assert not gate.is_waiting("two")
+    # enter then queues as if enter_now had not been asked, and the release grants it
+    granted: list[object] = []
+    queued = gate.enter(
+        "two",
+        "echo/a",
+        tenant="passing",
+        on_grant=granted.append,
+        on_expire=lambda _: pytest.fail("expired"),
+    )
+    assert queued is None and gate.statistics().queued == 1
+    first.release()
+    (permit,) = granted
+    assert gate.statistics().queued == 0
+    permit.release()  # type: ignore[attr-defined]
+    assert set(gate.statistics().tenants) == {"t"}
+    assert gate.statistics().global_.borrowed == 0
+
+
 async def test_the_smaller_of_the_runs_and_the_targets_queue_timeout_applies(autojump_clock):
     gate = gate_with({"echo/a": 1}, queue_timeout=30)
     async with trio.open_nursery() as nursery:

@@ -152,9 +152,9 @@ class StepGate:
         self._steps.release()
 
 
-async def test_the_engine_request_goes_out_while_started_is_committed(tmp_path):
-    """STARTED is written without waiting: the engine has the request before STARTED is
-    durable, and nobody sees STARTED (nor anything after it) until it is."""
+async def test_a_run_that_may_start_at_once_stores_started_with_queued(tmp_path):
+    """One write, before the caller hears of the run and before the engine has its
+    request; the caller's record is that of QUEUED, and STARTED follows it."""
     from .engines import OPENAI, Reply, serve
 
     store = SqliteStore(tmp_path / "runs.db")
@@ -176,14 +176,70 @@ async def test_the_engine_request_goes_out_while_started_is_committed(tmp_path):
 
                     async def submit() -> None:
                         spec = RunSpec(OPENAI.target, "hi")
-                        submitted.append((await node.manager.submit(spec)).record.run_id)
+                        record = (await node.manager.submit(spec)).record
+                        assert (record.status.value, record.last_seq) == ("queued", 1)
+                        submitted.append(record.run_id)
 
                     nursery.start_soon(submit)
                     assert await gate.next_batch() == ["create"]
-                    gate.step()
-                    assert await gate.next_batch() == ["append"]  # STARTED, held
-                    await reply.request()  # the engine has the request meanwhile
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert submitted == [] and not reply.received.is_set()
+                    before = store.statistics()
+                    gate.open()
+                    await reply.request()
+                    await trio.testing.wait_all_tasks_blocked()
                     (run,) = submitted
+                    assert store.statistics().commits - before.commits == 1
+                    stored = await store.events(run)
+                    assert [(e.seq, e.kind) for e in stored] == [
+                        (1, EventKind.QUEUED),
+                        (2, EventKind.STARTED),
+                    ]
+                    watcher = node.manager.watch(run, after_seq=1)
+                    assert [e.kind for e in watcher.ready()] == [EventKind.STARTED]
+                    await reply.send(OPENAI.piece("Hel"))
+                    await reply.send(OPENAI.end(Usage("stop", 1, 1)))
+                    await reply.finish()
+                    async for _ in watcher:
+                        pass
+            record = await store.get(run)
+        finally:
+            gate.open()
+            await store.aclose()
+    assert record is not None and record.status.value == "succeeded"
+
+
+async def test_a_run_that_waited_sends_its_request_while_started_is_committed(tmp_path):
+    """A run granted after waiting writes STARTED without waiting for it: the engine has
+    the request before STARTED is durable, and nobody sees STARTED (nor anything after
+    it) until it is."""
+    from .engines import OPENAI, Reply, serve
+
+    store = SqliteStore(tmp_path / "runs.db")
+    await store.ready()
+    gate = StepGate(store)
+    async with serve() as server, OPENAI.adapter(server.url) as adapter:
+        node = Node(
+            node_id="n1",
+            adapters=[adapter],
+            targets=[TargetSpec(adapter.name, OPENAI.model, concurrency=1)],
+            store=store,
+        )
+        first = server.push(Reply(content_type=OPENAI.content_type, end="hang"))
+        reply = server.push(Reply(content_type=OPENAI.content_type, end="hang"))
+        try:
+            with trio.fail_after(WAIT):
+                async with node.running():
+                    spec = RunSpec(OPENAI.target, "hi")
+                    await node.manager.submit(spec)
+                    await first.request()
+                    run = (await node.manager.submit(spec)).record.run_id
+                    assert node.gate.statistics().queued == 1  # it waits for the first
+                    gate.hold()
+                    await first.send(OPENAI.end(Usage("stop", 1, 1)))
+                    await first.finish()
+                    await gate.next_batch()  # from here on nothing is durable
+                    await reply.request()  # the engine has the request meanwhile
                     watcher = node.manager.watch(run, after_seq=1)
                     await reply.send(OPENAI.piece("Hel"))
                     await trio.testing.wait_all_tasks_blocked()
@@ -202,6 +258,53 @@ async def test_the_engine_request_goes_out_while_started_is_committed(tmp_path):
             gate.open()
             await store.aclose()
     assert record is not None and record.status.value == "succeeded"
+
+
+async def test_a_run_being_stored_to_wait_is_not_passed_by_one_that_came_later(tmp_path):
+    """A run that found no room enters the gate once stored QUEUED. If room frees up
+    meanwhile, a run that came after it does not take it at once: the gate sees the two
+    in the order they came, and the first gets the room."""
+    from .support import ScriptedAdapter
+
+    store = SqliteStore(tmp_path / "runs.db")
+    await store.ready()
+    gate = StepGate(store)
+    adapter = ScriptedAdapter()
+    node = Node(
+        node_id="n1",
+        adapters=[adapter],
+        targets=[TargetSpec("scripted", "m", concurrency=1)],
+        store=store,
+    )
+
+    def spec(run_id: str) -> RunSpec:
+        return RunSpec("scripted/m", "p", run_id=run_id)
+
+    try:
+        with trio.fail_after(WAIT):
+            async with node.running(), trio.open_nursery() as nursery:
+                await node.manager.submit(spec("first"))
+                await trio.testing.wait_all_tasks_blocked()
+                gate.hold()
+                nursery.start_soon(node.manager.submit, spec("waits"))
+                assert await gate.next_batch() == ["create"]  # its QUEUED, held
+                adapter.script("first").finish()
+                await trio.testing.wait_all_tasks_blocked()
+                assert node.gate.statistics().global_.borrowed == 0  # the room is free
+                nursery.start_soon(node.manager.submit, spec("later"))
+                await trio.testing.wait_all_tasks_blocked()
+                assert adapter.started == ["first"]
+                gate.open()
+                for run, then in (("waits", "later"), ("later", None)):
+                    started = await node.manager.watch(run, after_seq=1).__anext__()
+                    assert started.kind is EventKind.STARTED
+                    adapter.script(run).finish()
+                    if then is not None:
+                        assert then not in adapter.started
+    finally:
+        gate.open()
+        await store.aclose()
+    assert adapter.started == ["first", "waits", "later"]
 
 
 class Endless:

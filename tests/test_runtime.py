@@ -493,7 +493,7 @@ async def test_final_write_is_bounded(autojump_clock):
 
 
 class FailingCreateStore(MemoryStore):
-    async def create(self, record, event):  # type: ignore[no-untyped-def]
+    async def create(self, record, event, *, then=()):  # type: ignore[no-untyped-def]
         await trio.lowlevel.checkpoint()
         raise OSError("disk full")
 
@@ -505,6 +505,8 @@ async def test_a_run_the_store_refuses_is_not_acknowledged():
             await node.manager.submit(RunSpec(A, "p"))
         assert node.manager.live_count() == 0
         assert adapter.started == []
+        # the permit it took to start at once is given back
+        assert borrowed(node) == (0, 0, 0, 0)
 
 
 async def test_draining_lets_running_runs_finish_and_cancels_the_rest(autojump_clock):

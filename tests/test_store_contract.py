@@ -147,6 +147,50 @@ async def test_create_needs_the_queued_event_of_the_record(store, what):
     assert await store.list_runs() == []
 
 
+async def test_create_stores_the_events_that_follow_in_the_same_write(store):
+    state, first = new_run("r1")
+    queued = attrs.evolve(state.record)
+    started = state.transition(RunStatus.RUNNING, time=101.0)
+    await store.create(queued, first, then=[started])
+    assert queued.status is RunStatus.QUEUED  # the given record is not changed
+    assert await store.get("r1") == state.record
+    assert await store.events("r1") == [first, started]
+    # later appends fold on from there, for a run created and for one that ended in its create
+    await store.append(state.delta("hi", time=102.0))
+    await store.append(state.transition(RunStatus.SUCCEEDED, time=103.0))
+    assert await store.get("r1") == state.record
+    assert await seqs(store, "r1") == [1, 2, 3, 4]
+    other, first = new_run("r2")
+    queued = attrs.evolve(other.record)
+    rejected = other.transition(RunStatus.REJECTED, time=101.0, reason="queue_full")
+    await store.create(queued, first, then=[rejected])
+    assert await store.get("r2") == other.record
+    with pytest.raises(StoreError):
+        await store.append(RunEvent("r2", 3, EventKind.DELTA, 104.0, text="late"))
+    assert await seqs(store, "r2") == [1, 2]
+
+
+@pytest.mark.parametrize("what", ["gap", "delta while queued", "other run", "after the end"])
+async def test_create_refuses_events_that_cannot_follow_and_stores_nothing(store, what):
+    state, first = new_run("r1")
+    queued = attrs.evolve(state.record)
+    then = [state.transition(RunStatus.RUNNING, time=101.0)]
+    if what == "gap":
+        then = [attrs.evolve(then[0], seq=3)]
+    elif what == "delta while queued":
+        then = [RunEvent("r1", 2, EventKind.DELTA, 101.0, text="x")]
+    elif what == "other run":
+        then = [attrs.evolve(then[0], run_id="r2")]
+    else:
+        then.append(state.transition(RunStatus.CANCELLED, time=102.0))
+        then.append(RunEvent("r1", 4, EventKind.DELTA, 103.0, text="x"))
+    with pytest.raises(StoreError, match="r1"):
+        await store.create(queued, first, then=then)
+    assert await store.get("r1") is None
+    assert await store.events("r1") == []
+    assert await store.list_runs() == []
+
+
 async def test_events_after_seq(store):
     state = await running(store, "r1")
     deltas = [state.delta(w, time=102.0 + i) for i, w in enumerate(["a", "b", "c"])]

@@ -455,6 +455,32 @@ async def test_a_bad_event_does_not_poison_its_batch(store):
     assert await store.get("new") == new_state.record
 
 
+async def test_creates_with_the_events_that_follow_go_in_bulk_with_the_rest(store):
+    """A batch of creates that carry STARTED, and appends to those runs, is one commit."""
+    gate = WriterGate(store)
+    states = [new_run(f"r{i}") for i in range(3)]
+    calls = []
+    for state, first in states:
+        queued = attrs.evolve(state.record)
+        started = state.transition(RunStatus.RUNNING, time=101.0)
+        calls.append(partial(store.create, queued, first, then=[started]))
+    appends = [partial(store.append, state.delta("x", time=102.0)) for state, _ in states]
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as nursery:
+            with gate:
+                nursery.start_soon(created, store, "blocker")
+                await gate.wait_held()
+                await in_order(nursery, *calls, *appends)
+                before = store.statistics()
+    assert gate.batches[1] == ["create"] * 3 + ["append"] * 3
+    after = store.statistics()
+    assert after.commits - before.commits == 2  # the held batch, then this one
+    assert after.events - before.events == 1 + 9
+    for state, _ in states:
+        assert await store.get(state.record.run_id) == state.record
+        assert await seqs(store, state.record.run_id) == [1, 2, 3]
+
+
 # --- closing ----------------------------------------------------------------------------------
 
 
@@ -648,6 +674,9 @@ async def test_a_batch_that_fails_in_bulk_is_made_job_by_job(store):
     fine = await running(store, "fine")
     store._folds["stale"].last_seq = 1  # as if its STARTED were not stored
     clash = RunEvent("stale", 2, EventKind.DELTA, 5.0, text="clash")
+    new, first = new_run("new")
+    queued = attrs.evolve(new.record)
+    started = new.transition(RunStatus.RUNNING, time=5.0)
     gate = WriterGate(store)
     errors: list[StoreError] = []
 
@@ -663,13 +692,19 @@ async def test_a_batch_that_fails_in_bulk_is_made_job_by_job(store):
                 nursery.start_soon(store.sync)
                 await gate.wait_held()
                 await in_order(
-                    nursery, append_clash, partial(store.append, fine.delta("ok", time=5.0))
+                    nursery,
+                    append_clash,
+                    partial(store.append, fine.delta("ok", time=5.0)),
+                    partial(store.create, queued, first, then=[started]),
                 )
-        assert gate.batches[-1] == ["append", "append"]  # one batch, both jobs
+        assert gate.batches[-1] == ["append", "append", "create"]  # one batch, every job
     assert len(errors) == 1
     assert "seq 2 after 2" in str(errors[0])
     assert await seqs(store, "stale") == [1, 2]
     assert [e.text for e in await store.events("fine", after_seq=2)] == ["ok"]
+    assert await store.events("new") == [first, started]
+    await store.append(new.delta("on", time=6.0))  # folds on from what the create stored
+    assert await store.get("new") == new.record
 
 
 async def test_many_events_in_one_job_are_one_commit(store):

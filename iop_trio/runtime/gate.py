@@ -689,6 +689,22 @@ class Gate:
         heapq.heappush(self._deadlines, (deadline, ticket.order, ticket))
         return None
 
+    def enter_now(
+        self, borrower: object, target: str, *, priority: int = 0, tenant: str = ""
+    ) -> Permit | None:
+        """The Permit :meth:`enter` would grant at once, or None and the gate is as it was.
+
+        Never queues nor refuses: a run that gets None goes on to :meth:`enter`
+        (which may queue or refuse it) as if this had not been called. A tenant
+        that only this call brought is forgotten again.
+        """
+        lane, ticket, _ = self._ticket(borrower, target, priority, tenant, None)
+        if self._grantable(lane, ticket.tenant):
+            self._grant(ticket)
+            return Permit(self, ticket)
+        self._forget_if_idle(ticket.tenant)
+        return None
+
     async def expire_waiting(self) -> None:
         """Until cancelled: reject each run waiting as data (:meth:`enter`) whose queue
         deadline has passed, with ``on_expire``. One task per gate runs this."""

@@ -426,6 +426,9 @@ class RunManager:
         self._new_run_id = new_run_id
         self._now = wall_clock
         self._live: dict[str, _LiveRun] = {}
+        # runs being stored QUEUED that enter the gate after: while there are any, no run
+        # takes a permit before its own QUEUED write (which would pass them)
+        self._entering = 0
         self._admitting = True
         self._idle = trio.Event()
         self._idle.set()
@@ -506,14 +509,24 @@ class RunManager:
         live = _LiveRun(state, None if spec.background else owner)
         self._live[run_id] = live
         self._idle = trio.Event() if self._idle.is_set() else self._idle
+        queued = attrs.evolve(state.record)
+        if not self._entering:
+            # a run that may start at once stores STARTED with QUEUED: one write, not two
+            permit = self._gate.enter_now(
+                live, spec.target, priority=spec.priority, tenant=spec.tenant
+            )
+            if permit is not None:
+                await self._create(live, queued, first, permit, task_status)
+                await self._carry_on(live, target, spec, permit, started=True)
+                return
+        # the others enter the gate once stored QUEUED, in the order they came: until
+        # they have, nobody takes a permit at once past them (see _entering)
+        self._entering += 1
         try:
-            await self._store.create(attrs.evolve(state.record), first)
-        except BaseException:
-            self._forget(run_id)
-            raise
-        self._published(live, first)
-        task_status.started(attrs.evolve(state.record))
-        try:
+            await self._create(live, queued, first, None, task_status)
+        finally:
+            self._entering -= 1
+        try:  # no checkpoint since the create: still in order
             permit = self._gate.enter(
                 live,
                 spec.target,
@@ -531,6 +544,31 @@ class RunManager:
         # else the run waits in the gate as data, and this task ends: a grant starts the
         # run's next task (_admitted), its deadline or a cancel ends it (_expired, _cancel)
 
+    async def _create(
+        self,
+        live: _LiveRun,
+        queued: RunRecord,
+        first: RunEvent,
+        permit: Permit | None,
+        task_status: trio.TaskStatus[RunRecord],
+    ) -> None:
+        """Store the new run QUEUED (and STARTED if it holds ``permit``), publish what was
+        stored, and tell the submitter (``queued``, its record as of QUEUED). If the write
+        fails or is cancelled the run is forgotten and its permit given back."""
+        then: tuple[RunEvent, ...] = ()
+        if permit is not None:
+            then = (live.state.transition(RunStatus.RUNNING, time=self._now()),)
+        try:
+            await self._store.create(queued, first, then=then)
+        except BaseException:
+            if permit is not None:
+                permit.release()
+            self._forget(queued.run_id)
+            raise
+        for event in (first, *then):
+            self._published(live, event)
+        task_status.started(queued)
+
     def _admitted(self, live: _LiveRun, target: TargetSpec, spec: RunSpec, permit: Permit) -> None:
         """The gate granted a run that waited as data: its task goes on from here."""
         self._nursery.start_soon(self._carry_on, live, target, spec, permit)
@@ -540,16 +578,23 @@ class RunManager:
         self._nursery.start_soon(self._finish, live, _rejected(rejected))
 
     async def _carry_on(
-        self, live: _LiveRun, target: TargetSpec, spec: RunSpec, permit: Permit
+        self,
+        live: _LiveRun,
+        target: TargetSpec,
+        spec: RunSpec,
+        permit: Permit,
+        *,
+        started: bool = False,
     ) -> None:
-        """Run an admitted run to its end, holding ``permit``; record its end."""
+        """Run an admitted run to its end, holding ``permit``; record its end. ``started``:
+        its STARTED event is stored already (with QUEUED, see :meth:`_create`)."""
         run_id = live.state.record.run_id
         outcome: _Outcome | None = None
         try:
             with permit:
                 if not live.cancelling:  # a run cancelled as it was granted never starts
                     with live.scope:
-                        outcome = await self._execute_admitted(live, target, spec)
+                        outcome = await self._execute_admitted(live, target, spec, started)
                 if outcome is None:  # cancelled, or stopped otherwise
                     outcome = live.stop_outcome or _Outcome(
                         RunStatus.CANCELLED, live.cancel_reason or "cancelled"
@@ -565,9 +610,10 @@ class RunManager:
             await self._finish(live, outcome or _Outcome(RunStatus.FAILED, "internal"))
 
     async def _execute_admitted(
-        self, live: _LiveRun, target: TargetSpec, spec: RunSpec
+        self, live: _LiveRun, target: TargetSpec, spec: RunSpec, started: bool
     ) -> _Outcome:
-        self._start(live)
+        if not started:
+            self._start(live)
         request = AdapterRequest(
             run_id=live.state.record.run_id,
             model=target.model,

@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Sequence
 import attrs
 import trio
 
+from ..lifecycle import fold
 from ..model import RunEvent, RunRecord, RunStatus
 
 
@@ -60,6 +61,22 @@ def check_first_event(record: RunRecord, event: RunEvent) -> None:
         raise StoreError(f"run {record.run_id} must start with a QUEUED event, seq 1")
 
 
+def created_record(record: RunRecord, event: RunEvent, then: Sequence[RunEvent]) -> RunRecord:
+    """The record a :meth:`RunStore.create` of ``record``, ``event`` and ``then`` stores
+    (a copy: ``record`` is unchanged). StoreError if ``event`` is not the run's QUEUED
+    event, seq 1 (:func:`check_first_event`) or the lifecycle refuses one of ``then``."""
+    check_first_event(record, event)
+    created = attrs.evolve(record)
+    for later in then:
+        if later.run_id != record.run_id:
+            raise StoreError(f"run {record.run_id}: an event of run {later.run_id} in its create")
+        try:
+            fold(created, later)
+        except (ValueError, RuntimeError) as exc:  # IllegalTransition is a RuntimeError
+            raise StoreError(str(exc)) from exc
+    return created
+
+
 def refused_error(refused: Sequence[str]) -> StoreError:
     """The error of an ``append_many`` whose events in ``refused`` (messages) were not stored."""
     shown = "; ".join(refused[:3]) + ("; ..." if len(refused) > 3 else "")
@@ -70,12 +87,17 @@ class RunStore(abc.ABC):
     """Where runs and their events live. All methods are safe to call from many tasks."""
 
     @abc.abstractmethod
-    async def create(self, record: RunRecord, event: RunEvent) -> None:
-        """Store a new run and its first (QUEUED) event. Durable when it returns.
+    async def create(
+        self, record: RunRecord, event: RunEvent, *, then: Sequence[RunEvent] = ()
+    ) -> None:
+        """Store a new run, its first (QUEUED) event and the events ``then`` that follow it
+        (seq 2, 3, ...), all in one write. Durable when it returns.
 
-        Raises StoreError if a run with that id exists, or if ``event`` is not
+        Raises StoreError if a run with that id exists, if ``event`` is not
         the QUEUED event of ``record`` (same run_id, seq 1, record QUEUED with
-        ``last_seq`` 1); then nothing is stored.
+        ``last_seq`` 1), or if the lifecycle refuses one of ``then`` (see
+        :func:`created_record`); then nothing is stored. ``then`` lets a run that
+        may start at once store STARTED with its QUEUED event: one write, not two.
         """
 
     @abc.abstractmethod

@@ -9,7 +9,7 @@ import trio
 
 from ..lifecycle import RunState, fold
 from ..model import RunEvent, RunRecord, RunStatus
-from .base import RunStore, StoreError, check_first_event, refused_error
+from .base import RunStore, StoreError, created_record, refused_error
 
 
 class MemoryStore(RunStore):
@@ -22,13 +22,14 @@ class MemoryStore(RunStore):
     def __repr__(self) -> str:
         return f"<MemoryStore runs={len(self._runs)}>"
 
-    async def create(self, record: RunRecord, event: RunEvent) -> None:
+    async def create(
+        self, record: RunRecord, event: RunEvent, *, then: Sequence[RunEvent] = ()
+    ) -> None:
         await trio.lowlevel.checkpoint()
         if record.run_id in self._runs:
             raise StoreError(f"run {record.run_id} exists")
-        check_first_event(record, event)
-        self._runs[record.run_id] = _copy(record)
-        self._events[record.run_id] = [event]
+        self._runs[record.run_id] = _copy(created_record(record, event, then))
+        self._events[record.run_id] = [event, *then]
 
     async def append(self, event: RunEvent) -> None:
         self.append_nowait(event)

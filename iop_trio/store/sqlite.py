@@ -101,7 +101,7 @@ from .base import (
     StoreError,
     StoreHealth,
     StoreUnavailable,
-    check_first_event,
+    created_record,
     refused_error,
 )
 
@@ -433,11 +433,15 @@ class SqliteStore(RunStore):
         if self._open_error is not None:
             raise StoreError(str(self._open_error)) from self._open_error
 
-    async def create(self, record: RunRecord, event: RunEvent) -> None:
-        """Store a new run and its QUEUED event (seq 1); durable when it returns.
+    async def create(
+        self, record: RunRecord, event: RunEvent, *, then: Sequence[RunEvent] = ()
+    ) -> None:
+        """Store a new run, its QUEUED event (seq 1) and the events ``then`` after it, in
+        one transaction; durable when it returns.
 
         Raises StoreError if the run exists, if ``event`` is not the QUEUED
-        event of ``record`` with seq 1, or if ``record.options`` cannot be
+        event of ``record`` with seq 1 or the lifecycle refuses one of ``then``
+        (checked before anything is written), or if ``record.options`` cannot be
         JSON (options are stored as JSON: a tuple comes back as a list, a
         non-string key as a string), and StoreUnavailable at once while the store
         cannot write. All or nothing under cancellation (see the module docstring).
@@ -447,32 +451,33 @@ class SqliteStore(RunStore):
             await trio.lowlevel.checkpoint()
             raise StoreUnavailable(f"the run store cannot write: {health.problem}")
         try:
-            check_first_event(record, event)
+            created = created_record(record, event, then)
         except StoreError:
             await trio.lowlevel.checkpoint()
             raise
         try:
-            row = _run_row(record)
+            row = _run_row(created)
         except (TypeError, ValueError) as exc:
             await trio.lowlevel.checkpoint()
             raise StoreError(f"run {record.run_id}: options are not JSON: {exc}") from exc
-        event_row = _event_row(event)
-
-        fold = _new_fold(record.run_id)
+        event_rows = [_event_row(e) for e in (event, *then)]
+        # what the writer keeps of the run to fold later appends into (nothing once it ended)
+        kept = None
+        if not created.status.terminal:
+            kept = _fold_record((record.run_id, *_fold_values(created)))
 
         def work(conn: sqlite3.Connection) -> None:
             try:
                 conn.execute(f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES ({_marks(len(row))})", row)
             except sqlite3.IntegrityError as exc:
                 raise StoreError(f"run {record.run_id} exists") from exc
-            conn.execute(
-                f"INSERT INTO events ({_EVENT_COLUMNS}) VALUES ({_marks(len(event_row))})",
-                event_row,
-            )
-            self._folds[record.run_id] = fold
+            _insert_rows(conn, "events", _EVENT_COLUMNS, event_rows)
+            if kept is not None:
+                self._folds[record.run_id] = attrs.evolve(kept)
 
-        plan = ("create", record.run_id, row, event_row)
-        await self._write(_Job("create", work, withdrawable=True, events=1, plan=plan))
+        plan = ("create", record.run_id, row, event_rows, kept)
+        job = _Job("create", work, withdrawable=True, events=len(event_rows), plan=plan)
+        await self._write(job)
 
     async def append(self, event: RunEvent) -> None:
         """Append one event to its run and fold it into the record; see :meth:`RunStore.append`.
@@ -910,14 +915,15 @@ class SqliteStore(RunStore):
         for job in jobs:
             assert job.plan is not None
             if job.plan[0] == "create":
-                _, run_id, row, event_row = job.plan
+                _, run_id, row, rows, kept = job.plan
                 if run_id in taken:
                     job.error = StoreError(f"run {run_id} exists")
                     continue
                 taken.add(run_id)
                 run_rows.append(row)
-                event_rows.append(event_row)
-                self._folds[run_id] = _new_fold(run_id)
+                event_rows.extend(rows)
+                if kept is not None:
+                    self._folds[run_id] = attrs.evolve(kept)
             elif job.plan[0] in ("append", "many"):
                 refused = []
                 for event in _planned_events(job):
@@ -1293,11 +1299,6 @@ def _fold_record(row: tuple[Any, ...]) -> RunRecord:
         usage=_usage(row[7]),
         retry_after=row[8],
     )
-
-
-def _new_fold(run_id: str) -> RunRecord:
-    """The fold of a run just created (QUEUED, seq 1)."""
-    return _fold_record((run_id, "queued", 1, None, None, "", "", None, None))
 
 
 def _fold_values(record: RunRecord) -> tuple[object, ...]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import trio
@@ -64,9 +65,12 @@ def say(*words: object) -> None:
 class ReportingStore(SqliteStore):
     """Says which events are stored: only after the store confirmed them."""
 
-    async def create(self, record: RunRecord, event: RunEvent) -> None:
-        await super().create(record, event)
-        say("stored", event.run_id, event.seq, event.kind.value)
+    async def create(
+        self, record: RunRecord, event: RunEvent, *, then: Sequence[RunEvent] = ()
+    ) -> None:
+        await super().create(record, event, then=then)
+        for stored in (event, *then):
+            say("stored", stored.run_id, stored.seq, stored.kind.value)
 
     async def append(self, event: RunEvent) -> None:
         await super().append(event)
