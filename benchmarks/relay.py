@@ -61,6 +61,10 @@ read tokens/s there. Machine facts, the processes' idle CPU and the load
 average are printed at the start and the end. Figures are printed, never
 asserted. The full matrix takes about 4 minutes; ``--quick`` about 30 s.
 
+``--node-alone RUNS`` measures instead the node's own share of the first token,
+with no edge and no WebSocket: RUNS runs one at a time through a node in this
+process (the same adapter, the SQLite store) beside httpx straight to the engine.
+
 ``--rev REV`` measures a committed revision (``git archive`` of its
 ``iop_trio`` into a temporary folder, first on PYTHONPATH of every process),
 so a before/after comparison needs no checkout. ``--cpu-detail`` adds a line
@@ -1034,8 +1038,101 @@ def stack(*, limit: int, store: str = "sqlite", node_profile: str | None = None)
             raise
 
 
+async def node_alone(engine_url: str, folder: Path, runs: int, delay: float) -> None:
+    """The node's own share of the first token, with no edge and no WebSocket: ``runs``
+    runs one at a time through a node in this process (the openai adapter on the same
+    engine, the SQLite store), beside httpx straight to the engine; p50 of the time until
+    the engine has the request (from the call to ``submit``, or to httpx's request) and
+    of the time from the engine's first token until the run's watcher (or httpx's
+    response) has it."""
+    from iop_trio.adapters.openai import OpenAIAdapter, OpenAISettings
+    from iop_trio.model import TargetSpec
+    from iop_trio.runtime import Node
+    from iop_trio.store.sqlite import SqliteStore
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "stream": True}
+    token = f'"content":{json.dumps(TOKEN_TEXT)}'  # as the engine writes a token
+    async with httpx.AsyncClient(timeout=30) as http:
+
+        async def engine_times() -> tuple[list[float], list[float]]:
+            times = (await http.get(engine_url + "/bench/times")).json()
+            return times["arrivals"], times["first_tokens"]
+
+        async def configure() -> None:
+            config = {"tokens": 2, "delay": delay}
+            (await http.post(engine_url + "/bench/config", json=config)).raise_for_status()
+
+        async def direct() -> float | None:
+            first = None
+            async with http.stream("POST", engine_url + "/v1/chat/completions", json=body) as r:
+                decoder = SSEDecoder()
+                async for data in r.aiter_bytes():
+                    for event in decoder.feed(data):
+                        if first is None and token in event.data:
+                            first = time.monotonic()
+            return first
+
+        rows: dict[str, tuple[float, float]] = {}
+        await configure()
+        starts, firsts = [], []
+        for _ in range(runs):
+            starts.append(time.monotonic())
+            firsts.append(await direct())
+        rows["direct"] = _halves(starts, firsts, *await engine_times())
+        await configure()
+        adapter = OpenAIAdapter(ADAPTER, OpenAISettings(base_url=engine_url))
+        node = Node(
+            node_id="alone",
+            adapters=[adapter],
+            targets=[TargetSpec(ADAPTER, MODEL, concurrency=4)],
+            store=SqliteStore(folder / "alone.db"),
+        )
+        starts, firsts = [], []
+        async with node.running():
+            for _ in range(runs):
+                starts.append(time.monotonic())
+                submitted = await node.manager.submit(RunSpec(TARGET, PROMPT))
+                first = None
+                async for event in node.manager.watch(submitted.record.run_id, after_seq=1):
+                    if first is None and event.text:
+                        first = time.monotonic()
+                firsts.append(first)
+        rows["node"] = _halves(starts, firsts, *await engine_times())
+    (d_to, d_back), (n_to, n_back) = rows["direct"], rows["node"]
+    print(
+        f"node alone, {runs} runs one at a time, {delay * 1e3:g} ms a token, p50:\n"
+        f"  to the engine:        direct {d_to:.2f} ms, node {n_to:.2f} ms "
+        f"({n_to - d_to:+.2f})\n"
+        f"  from its first token: direct {d_back:.2f} ms, node {n_back:.2f} ms "
+        f"({n_back - d_back:+.2f})"
+    )
+
+
+def _halves(
+    starts: list[float], firsts: list[float | None], arrivals: list[float], written: list[float]
+) -> tuple[float, float]:
+    """p50 (ms) of the way to the engine and of the way back, run by run (monotonic)."""
+    to = [(a - s) * 1e3 for s, a in zip(starts, arrivals, strict=False)]
+    back = [(f - w) * 1e3 for f, w in zip(firsts, written, strict=False) if f is not None]
+    return percentile(to, 50), percentile(back, 50)
+
+
 def main(ns: argparse.Namespace) -> int:
     machine_facts(sys.stdout)
+    if ns.node_alone:
+        with tempfile.TemporaryDirectory(prefix="iop-relay-") as tmp, processes() as start:
+            engine = start(
+                "engine",
+                [sys.executable, str(Path(__file__).resolve()), "--engine"],
+                dict(os.environ),
+                Path(tmp) / "engine.log",
+            )
+            port = int(engine.wait_for(r"engine listening on 127\.0\.0\.1:(\d+)").group(1))
+            for delay in ns.delays_ms:
+                trio.run(
+                    node_alone, f"http://127.0.0.1:{port}", Path(tmp), ns.node_alone, delay / 1e3
+                )
+        return 0
     try:
         with stack(limit=ns.limit, store=ns.store, node_profile=ns.node_profile) as procs:
 
@@ -1126,6 +1223,14 @@ if __name__ == "__main__":
         "--node-profile",
         metavar="FILE",
         help="run the node under cProfile (main thread), stats to FILE when it stops",
+    )
+    parser.add_argument(
+        "--node-alone",
+        type=int,
+        metavar="RUNS",
+        help="instead of the matrix: RUNS runs one at a time through a node in this process "
+        "(no edge, no WebSocket) beside httpx straight to the engine, at each --delays-ms: "
+        "the node's own share of the first token",
     )
     parser.add_argument(
         "--rev",
