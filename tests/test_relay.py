@@ -8,7 +8,9 @@ from __future__ import annotations
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
+import attrs
 import trio
 import trio.testing
 
@@ -19,11 +21,13 @@ from iop_trio.runtime.manager import (
     GATHER_LIMIT,
     GATHER_TEXT,
     SYNC_EVERY,
+    RunWatcher,
     gathered,
 )
 from iop_trio.store.memory import MemoryStore
 from iop_trio.store.sqlite import SqliteStore
 
+from .engines import OPENAI, EngineServer, Reply, serve
 from .test_wire import stack
 
 WAIT = 20
@@ -152,159 +156,112 @@ class StepGate:
         self._steps.release()
 
 
-async def test_a_run_that_may_start_at_once_stores_started_with_queued(tmp_path):
-    """One write, before the caller hears of the run and before the engine has its
-    request; the caller's record is that of QUEUED, and STARTED follows it."""
-    from .engines import OPENAI, Reply, serve
-
+@asynccontextmanager
+async def engine_node(
+    tmp_path: Path, *, concurrency: int | None = None
+) -> AsyncIterator[EngineNode]:
+    """A running node with the SQLite store (its writer under a :class:`StepGate`) and the
+    openai adapter on a scripted engine; the store is closed after, the gate opened."""
     store = SqliteStore(tmp_path / "runs.db")
     await store.ready()
     gate = StepGate(store)
-    async with serve() as server, OPENAI.adapter(server.url) as adapter:
-        node = Node(
-            node_id="n1",
-            adapters=[adapter],
-            targets=[TargetSpec(adapter.name, OPENAI.model)],
-            store=store,
-        )
-        reply = server.push(Reply(content_type=OPENAI.content_type, end="hang"))
-        try:
+    try:
+        async with serve() as server, OPENAI.adapter(server.url) as adapter:
+            limit = {} if concurrency is None else {"concurrency": concurrency}
+            node = Node(
+                node_id="n1",
+                adapters=[adapter],
+                targets=[TargetSpec(adapter.name, OPENAI.model, **limit)],
+                store=store,
+            )
             with trio.fail_after(WAIT):
-                async with node.running(), trio.open_nursery() as nursery:
-                    gate.hold()
-                    submitted: list[str] = []
+                async with node.running():
+                    yield EngineNode(node, server, store, gate)
+    finally:
+        gate.open()
+        await store.aclose()
 
-                    async def submit() -> None:
-                        spec = RunSpec(OPENAI.target, "hi")
-                        record = (await node.manager.submit(spec)).record
-                        assert (record.status.value, record.last_seq) == ("queued", 1)
-                        submitted.append(record.run_id)
 
-                    nursery.start_soon(submit)
-                    assert await gate.next_batch() == ["create"]
-                    await trio.testing.wait_all_tasks_blocked()
-                    assert submitted == [] and not reply.received.is_set()
-                    before = store.statistics()
-                    gate.open()
-                    await reply.request()
-                    await trio.testing.wait_all_tasks_blocked()
-                    (run,) = submitted
-                    assert store.statistics().commits - before.commits == 1
-                    stored = await store.events(run)
-                    assert [(e.seq, e.kind) for e in stored] == [
-                        (1, EventKind.QUEUED),
-                        (2, EventKind.STARTED),
-                    ]
-                    watcher = node.manager.watch(run, after_seq=1)
-                    assert [e.kind for e in watcher.ready()] == [EventKind.STARTED]
-                    await reply.send(OPENAI.piece("Hel"))
-                    await reply.send(OPENAI.end(Usage("stop", 1, 1)))
-                    await reply.finish()
-                    async for _ in watcher:
-                        pass
-            record = await store.get(run)
-        finally:
-            gate.open()
-            await store.aclose()
-    assert record is not None and record.status.value == "succeeded"
+@attrs.frozen
+class EngineNode:
+    node: Node
+    server: EngineServer
+    store: SqliteStore
+    gate: StepGate
+
+    def reply(self) -> Reply:
+        """Script the engine's next answer: headers now, then what the test sends."""
+        return self.server.push(Reply(content_type=OPENAI.content_type, end="hang"))
+
+    async def succeed(self, reply: Reply, watcher: RunWatcher) -> None:
+        """End the engine's answer well and follow the run to its end: SUCCEEDED."""
+        await reply.send(OPENAI.end(Usage("stop", 1, 1)))
+        await reply.finish()
+        async for event in watcher:
+            last = event
+        assert last.kind is EventKind.SUCCEEDED
+
+
+async def test_a_run_that_may_start_at_once_stores_started_with_queued(tmp_path):
+    """One write, before the caller hears of the run and before the engine has its
+    request; the caller's record is that of QUEUED, and STARTED follows it."""
+    async with engine_node(tmp_path) as e, trio.open_nursery() as nursery:
+        reply = e.reply()
+        e.gate.hold()
+        submitted: list[str] = []
+
+        async def submit() -> None:
+            record = (await e.node.manager.submit(RunSpec(OPENAI.target, "hi"))).record
+            assert (record.status.value, record.last_seq) == ("queued", 1)
+            submitted.append(record.run_id)
+
+        nursery.start_soon(submit)
+        assert await e.gate.next_batch() == ["create"]
+        await trio.testing.wait_all_tasks_blocked()
+        assert submitted == [] and not reply.received.is_set()
+        before = e.store.statistics()
+        e.gate.open()
+        await reply.request()
+        await trio.testing.wait_all_tasks_blocked()
+        (run,) = submitted
+        assert e.store.statistics().commits - before.commits == 1
+        stored = await e.store.events(run)
+        assert [(ev.seq, ev.kind) for ev in stored] == [
+            (1, EventKind.QUEUED),
+            (2, EventKind.STARTED),
+        ]
+        watcher = e.node.manager.watch(run, after_seq=1)
+        assert [ev.kind for ev in watcher.ready()] == [EventKind.STARTED]
+        await reply.send(OPENAI.piece("Hel"))
+        await e.succeed(reply, watcher)
 
 
 async def test_a_run_that_waited_sends_its_request_while_started_is_committed(tmp_path):
     """A run granted after waiting writes STARTED without waiting for it: the engine has
     the request before STARTED is durable, and nobody sees STARTED (nor anything after
     it) until it is."""
-    from .engines import OPENAI, Reply, serve
-
-    store = SqliteStore(tmp_path / "runs.db")
-    await store.ready()
-    gate = StepGate(store)
-    async with serve() as server, OPENAI.adapter(server.url) as adapter:
-        node = Node(
-            node_id="n1",
-            adapters=[adapter],
-            targets=[TargetSpec(adapter.name, OPENAI.model, concurrency=1)],
-            store=store,
-        )
-        first = server.push(Reply(content_type=OPENAI.content_type, end="hang"))
-        reply = server.push(Reply(content_type=OPENAI.content_type, end="hang"))
-        try:
-            with trio.fail_after(WAIT):
-                async with node.running():
-                    spec = RunSpec(OPENAI.target, "hi")
-                    await node.manager.submit(spec)
-                    await first.request()
-                    run = (await node.manager.submit(spec)).record.run_id
-                    assert node.gate.statistics().queued == 1  # it waits for the first
-                    gate.hold()
-                    await first.send(OPENAI.end(Usage("stop", 1, 1)))
-                    await first.finish()
-                    await gate.next_batch()  # from here on nothing is durable
-                    await reply.request()  # the engine has the request meanwhile
-                    watcher = node.manager.watch(run, after_seq=1)
-                    await reply.send(OPENAI.piece("Hel"))
-                    await trio.testing.wait_all_tasks_blocked()
-                    assert watcher.ready() == []  # neither STARTED nor the delta is out
-                    gate.open()
-                    started = await watcher.__anext__()
-                    assert (started.seq, started.kind) == (2, EventKind.STARTED)
-                    delta = await watcher.__anext__()
-                    assert (delta.seq, delta.text) == (3, "Hel")
-                    await reply.send(OPENAI.end(Usage("stop", 1, 1)))
-                    await reply.finish()
-                    async for _ in watcher:
-                        pass
-            record = await store.get(run)
-        finally:
-            gate.open()
-            await store.aclose()
-    assert record is not None and record.status.value == "succeeded"
-
-
-async def test_a_run_being_stored_to_wait_is_not_passed_by_one_that_came_later(tmp_path):
-    """A run that found no room enters the gate once stored QUEUED. If room frees up
-    meanwhile, a run that came after it does not take it at once: the gate sees the two
-    in the order they came, and the first gets the room."""
-    from .support import ScriptedAdapter
-
-    store = SqliteStore(tmp_path / "runs.db")
-    await store.ready()
-    gate = StepGate(store)
-    adapter = ScriptedAdapter()
-    node = Node(
-        node_id="n1",
-        adapters=[adapter],
-        targets=[TargetSpec("scripted", "m", concurrency=1)],
-        store=store,
-    )
-
-    def spec(run_id: str) -> RunSpec:
-        return RunSpec("scripted/m", "p", run_id=run_id)
-
-    try:
-        with trio.fail_after(WAIT):
-            async with node.running(), trio.open_nursery() as nursery:
-                await node.manager.submit(spec("first"))
-                await trio.testing.wait_all_tasks_blocked()
-                gate.hold()
-                nursery.start_soon(node.manager.submit, spec("waits"))
-                assert await gate.next_batch() == ["create"]  # its QUEUED, held
-                adapter.script("first").finish()
-                await trio.testing.wait_all_tasks_blocked()
-                assert node.gate.statistics().global_.borrowed == 0  # the room is free
-                nursery.start_soon(node.manager.submit, spec("later"))
-                await trio.testing.wait_all_tasks_blocked()
-                assert adapter.started == ["first"]
-                gate.open()
-                for run, then in (("waits", "later"), ("later", None)):
-                    started = await node.manager.watch(run, after_seq=1).__anext__()
-                    assert started.kind is EventKind.STARTED
-                    adapter.script(run).finish()
-                    if then is not None:
-                        assert then not in adapter.started
-    finally:
-        gate.open()
-        await store.aclose()
-    assert adapter.started == ["first", "waits", "later"]
+    async with engine_node(tmp_path, concurrency=1) as e:
+        first, reply = e.reply(), e.reply()
+        spec = RunSpec(OPENAI.target, "hi")
+        await e.node.manager.submit(spec)
+        await first.request()
+        run = (await e.node.manager.submit(spec)).record.run_id
+        assert e.node.gate.statistics().queued == 1  # it waits for the first
+        e.gate.hold()
+        await first.send(OPENAI.end(Usage("stop", 1, 1)))  # the first ends: room for the run
+        await first.finish()
+        await e.gate.next_batch()  # from here on nothing is durable
+        await reply.request()  # the engine has the request meanwhile
+        watcher = e.node.manager.watch(run, after_seq=1)
+        await reply.send(OPENAI.piece("Hel"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert watcher.ready() == []  # neither STARTED nor the delta is out
+        e.gate.open()
+        started = await watcher.__anext__()
+        assert (started.seq, started.kind) == (2, EventKind.STARTED)
+        delta = await watcher.__anext__()
+        assert (delta.seq, delta.text) == (3, "Hel")
+        await e.succeed(reply, watcher)
 
 
 class Endless:

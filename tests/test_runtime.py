@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import pytest
@@ -507,6 +508,50 @@ async def test_a_run_the_store_refuses_is_not_acknowledged():
         assert adapter.started == []
         # the permit it took to start at once is given back
         assert borrowed(node) == (0, 0, 0, 0)
+
+
+class HeldCreates(MemoryStore):
+    """A create of a run named in ``held`` waits until its event is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: dict[str, trio.Event] = {}
+
+    async def create(self, record, event, *, then=()):  # type: ignore[no-untyped-def]
+        if record.run_id in self.held:
+            await self.held[record.run_id].wait()
+        await super().create(record, event, then=then)
+
+
+async def test_runs_enter_the_gate_in_the_order_they_came_whatever_order_their_writes_end():
+    """Two runs are being stored QUEUED while the target is full. Room frees up; a third
+    run comes, which could start at once, and the later write of the two ends first. The
+    third and the later wait for the earlier one, which gets the room; then in order."""
+    store = HeldCreates()
+    node, adapter = make_node(store=store)
+    async with node.running(), trio.open_nursery() as nursery:
+        await submit(node, A, run_id="busy")
+        store.held = {"early": trio.Event(), "late": trio.Event()}
+        for name in store.held:
+            nursery.start_soon(partial(submit, node, A, run_id=name))
+            await trio.testing.wait_all_tasks_blocked()
+        adapter.script("busy").finish()
+        await trio.testing.wait_all_tasks_blocked()
+        assert borrowed(node) == (0, 0, 0, 0)  # the room is free
+        nursery.start_soon(partial(submit, node, A, run_id="third"))
+        store.held["late"].set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert adapter.started == ["busy"]  # both stored, and waiting for "early"
+        store.held["early"].set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert adapter.started == ["busy", "early"]
+        assert node.gate.statistics().queued == 2
+        for run in ("early", "late", "third"):
+            assert adapter.started[-1] == run
+            adapter.script(run).finish()
+            await trio.testing.wait_all_tasks_blocked()
+    assert adapter.started == ["busy", "early", "late", "third"]
+    assert {await status(node, r) for r in ("early", "late", "third")} == {RunStatus.SUCCEEDED}
 
 
 async def test_draining_lets_running_runs_finish_and_cancels_the_rest(autojump_clock):

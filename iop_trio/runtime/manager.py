@@ -166,6 +166,20 @@ class _LiveRun:
             await self.wait_changed()
 
 
+@attrs.define(eq=False)
+class _Entering:
+    """A run being stored QUEUED that enters the gate once it is, in line with the others.
+
+    Runs whose writes are done in the same round of the scheduler wake in any order;
+    the line makes them enter the gate in the order they came (the store's order), so
+    that one does not take the room another that came before it waits for."""
+
+    enter: Callable[[], Permit | None]  # Gate.enter for this run: raises GateRejected
+    stored: bool = False
+    entered: trio.Event = attrs.field(factory=trio.Event)
+    outcome: Permit | GateRejected | None = None  # what enter gave, once entered
+
+
 class RunWatcher:
     """Async iterator over a run's events with ``seq > after_seq``, live until the terminal one.
 
@@ -426,9 +440,9 @@ class RunManager:
         self._new_run_id = new_run_id
         self._now = wall_clock
         self._live: dict[str, _LiveRun] = {}
-        # runs being stored QUEUED that enter the gate after: while there are any, no run
-        # takes a permit before its own QUEUED write (which would pass them)
-        self._entering = 0
+        # runs being stored QUEUED that enter the gate after, in the order they came:
+        # while there are any, no run takes a permit before its own QUEUED write
+        self._entering: collections.deque[_Entering] = collections.deque()
         self._admitting = True
         self._idle = trio.Event()
         self._idle.set()
@@ -519,15 +533,11 @@ class RunManager:
                 await self._create(live, queued, first, permit, task_status)
                 await self._carry_on(live, target, spec, permit, started=True)
                 return
-        # the others enter the gate once stored QUEUED, in the order they came: until
-        # they have, nobody takes a permit at once past them (see _entering)
-        self._entering += 1
-        try:
-            await self._create(live, queued, first, None, task_status)
-        finally:
-            self._entering -= 1
-        try:  # no checkpoint since the create: still in order
-            permit = self._gate.enter(
+        # the others enter the gate once stored QUEUED, in the order they came (see
+        # _Entering); until they have, nobody takes a permit at once past them
+        entry = _Entering(
+            partial(
+                self._gate.enter,
                 live,
                 spec.target,
                 on_grant=partial(self._admitted, live, target, spec),
@@ -536,13 +546,38 @@ class RunManager:
                 tenant=spec.tenant,
                 queue_timeout=spec.queue_timeout,
             )
-        except GateRejected as rejected:
-            await self._finish(live, _rejected(rejected))
-            return
-        if permit is not None:
-            await self._carry_on(live, target, spec, permit)
+        )
+        self._entering.append(entry)
+        try:
+            await self._create(live, queued, first, None, task_status)
+        except BaseException:
+            self._entering.remove(entry)
+            self._enter_stored()
+            raise
+        entry.stored = True
+        self._enter_stored()
+        if not entry.entered.is_set():
+            # a run that came before is stored (the store writes in order) and not yet
+            # woken: it enters the gate, then this one, within the scheduler's round
+            with trio.CancelScope(shield=True):
+                await entry.entered.wait()
+        if isinstance(entry.outcome, GateRejected):
+            await self._finish(live, _rejected(entry.outcome))
+        elif entry.outcome is not None:
+            await self._carry_on(live, target, spec, entry.outcome)
         # else the run waits in the gate as data, and this task ends: a grant starts the
         # run's next task (_admitted), its deadline or a cancel ends it (_expired, _cancel)
+
+    def _enter_stored(self) -> None:
+        """Enter the gate for each run at the head of the line that is stored QUEUED, in
+        the order the runs came: the first one not stored yet holds the rest back."""
+        while self._entering and self._entering[0].stored:
+            entry = self._entering.popleft()
+            try:
+                entry.outcome = entry.enter()
+            except GateRejected as rejected:
+                entry.outcome = rejected
+            entry.entered.set()
 
     async def _create(
         self,
