@@ -554,6 +554,36 @@ async def test_runs_enter_the_gate_in_the_order_they_came_whatever_order_their_w
     assert {await status(node, r) for r in ("early", "late", "third")} == {RunStatus.SUCCEEDED}
 
 
+@pytest.mark.parametrize("room", [False, True])
+async def test_a_run_cancelled_while_it_is_stored_never_starts(room):
+    """Cancelled while its first write is made: without room it never waits in the gate,
+    with room (it took a permit and writes STARTED too) its engine is never called, and
+    the permit goes back. Either way it ends CANCELLED with the reason given."""
+    store = HeldCreates()
+    node, adapter = make_node(store=store)
+    async with node.running(), trio.open_nursery() as nursery:
+        if not room:
+            await submit(node, A, run_id="busy")
+        store.held = {"x": trio.Event()}
+        nursery.start_soon(partial(submit, node, A, run_id="x"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert node.manager.cancel_nowait("x", "changed my mind")
+        store.held["x"].set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert node.gate.statistics().queued == 0
+        expected = [EventKind.QUEUED, EventKind.CANCELLED]
+        if room:
+            expected.insert(1, EventKind.STARTED)
+            assert borrowed(node) == (0, 0, 0, 0)
+        assert await kinds(node, "x") == expected
+        record = await node.store.get("x")
+        assert record is not None and record.reason == "changed my mind"
+        assert "x" not in adapter.started
+        if not room:
+            adapter.script("busy").finish()
+            await trio.testing.wait_all_tasks_blocked()
+
+
 async def test_draining_lets_running_runs_finish_and_cancels_the_rest(autojump_clock):
     node, adapter = make_node()
     async with node.running():

@@ -3,10 +3,13 @@
 Life of a run (one task each, started with ``nursery.start``):
 
 1. The QUEUED record and its event are written to the store; only then is
-   the submitter told the run exists (``start`` returns).
-2. Inside the run's own CancelScope: a permit from the :class:`Gate` (or
-   REJECTED), then STARTED, the adapter's stream as DELTA events, and the
-   adapter's end.
+   the submitter told the run exists (``start`` returns). A run the
+   :class:`Gate` has room for takes its permit first and writes STARTED in
+   the same write; the others enter the gate once written, in the order they
+   came, and are REJECTED, admitted, or wait in it as data (no task) until
+   granted, their deadline or a cancel.
+2. Inside the run's own CancelScope: STARTED (unless written with QUEUED),
+   the adapter's stream as DELTA events, and the adapter's end.
 3. The terminal event (SUCCEEDED, FAILED, CANCELLED or REJECTED) is made and
    written under a shielded scope bounded by ``final_write_timeout``.
 
@@ -26,6 +29,7 @@ import time
 import uuid
 from collections.abc import (
     AsyncIterator,
+    Awaitable,
     Callable,
     Collection,
     Hashable,
@@ -170,14 +174,14 @@ class _LiveRun:
 class _Entering:
     """A run being stored QUEUED that enters the gate once it is, in line with the others.
 
-    Runs whose writes are done in the same round of the scheduler wake in any order;
-    the line makes them enter the gate in the order they came (the store's order), so
-    that one does not take the room another that came before it waits for."""
+    Runs whose writes end in the same round of the scheduler wake in any order; the
+    line makes them enter the gate in the order they came (the store's order), so that
+    one does not take the room another that came before it waits for."""
 
-    enter: Callable[[], Permit | None]  # Gate.enter for this run: raises GateRejected
+    live: _LiveRun
+    target: TargetSpec
+    spec: RunSpec
     stored: bool = False
-    entered: trio.Event = attrs.field(factory=trio.Event)
-    outcome: Permit | GateRejected | None = None  # what enter gave, once entered
 
 
 class RunWatcher:
@@ -535,9 +539,50 @@ class RunManager:
                 return
         # the others enter the gate once stored QUEUED, in the order they came (see
         # _Entering); until they have, nobody takes a permit at once past them
-        entry = _Entering(
-            partial(
-                self._gate.enter,
+        entry = _Entering(live, target, spec)
+        self._entering.append(entry)
+        try:
+            await self._create(live, queued, first, None, task_status)
+        except BaseException:
+            self._entering.remove(entry)
+            self._enter_stored(None)
+            raise
+        entry.stored = True
+        went = self._enter_stored(entry)
+        if went is not None:
+            await went()
+        # else a run that came before is stored (the store writes in order) and not yet
+        # woken: it enters the gate for both, and starts what comes next for this one
+        # else the run waits in the gate as data, and this task ends: a grant starts the
+        # run's next task (_admitted), its deadline or a cancel ends it (_expired, _cancel)
+
+    def _enter_stored(self, own: _Entering | None) -> Callable[[], Awaitable[None]] | None:
+        """Enter the gate for each run at the head of the line that is stored QUEUED, in
+        the order the runs came (the first one not stored yet holds the rest back), and
+        start what comes next for each in a task of its own; for ``own``, if it went in,
+        return that instead, for its own task to await. A run cancelled while it was
+        being stored does not enter: it ends CANCELLED."""
+        mine: Callable[[], Awaitable[None]] | None = None
+        while self._entering and self._entering[0].stored:
+            entry = self._entering.popleft()
+            went = self._went_in(entry)
+            if entry is own:
+                mine = went
+            elif went is not None:
+                self._nursery.start_soon(went)
+        return mine
+
+    def _went_in(self, entry: _Entering) -> Callable[[], Awaitable[None]] | None:
+        """Enter ``entry``'s run into the gate: what its task does next, or None (it waits
+        in the gate as data)."""
+        live, target, spec = entry.live, entry.target, entry.spec
+        if live.cancelling:  # cancelled while being stored: it never waits nor starts
+            outcome = live.stop_outcome or _Outcome(
+                RunStatus.CANCELLED, live.cancel_reason or "cancelled"
+            )
+            return partial(self._finish, live, outcome)
+        try:
+            permit = self._gate.enter(
                 live,
                 spec.target,
                 on_grant=partial(self._admitted, live, target, spec),
@@ -546,38 +591,9 @@ class RunManager:
                 tenant=spec.tenant,
                 queue_timeout=spec.queue_timeout,
             )
-        )
-        self._entering.append(entry)
-        try:
-            await self._create(live, queued, first, None, task_status)
-        except BaseException:
-            self._entering.remove(entry)
-            self._enter_stored()
-            raise
-        entry.stored = True
-        self._enter_stored()
-        if not entry.entered.is_set():
-            # a run that came before is stored (the store writes in order) and not yet
-            # woken: it enters the gate, then this one, within the scheduler's round
-            with trio.CancelScope(shield=True):
-                await entry.entered.wait()
-        if isinstance(entry.outcome, GateRejected):
-            await self._finish(live, _rejected(entry.outcome))
-        elif entry.outcome is not None:
-            await self._carry_on(live, target, spec, entry.outcome)
-        # else the run waits in the gate as data, and this task ends: a grant starts the
-        # run's next task (_admitted), its deadline or a cancel ends it (_expired, _cancel)
-
-    def _enter_stored(self) -> None:
-        """Enter the gate for each run at the head of the line that is stored QUEUED, in
-        the order the runs came: the first one not stored yet holds the rest back."""
-        while self._entering and self._entering[0].stored:
-            entry = self._entering.popleft()
-            try:
-                entry.outcome = entry.enter()
-            except GateRejected as rejected:
-                entry.outcome = rejected
-            entry.entered.set()
+        except GateRejected as rejected:
+            return partial(self._finish, live, _rejected(rejected))
+        return None if permit is None else partial(self._carry_on, live, target, spec, permit)
 
     async def _create(
         self,
@@ -591,9 +607,9 @@ class RunManager:
         stored, and tell the submitter (``queued``, its record as of QUEUED). If the write
         fails or is cancelled the run is forgotten and its permit given back."""
         then: tuple[RunEvent, ...] = ()
-        if permit is not None:
-            then = (live.state.transition(RunStatus.RUNNING, time=self._now()),)
         try:
+            if permit is not None:
+                then = (live.state.transition(RunStatus.RUNNING, time=self._now()),)
             await self._store.create(queued, first, then=then)
         except BaseException:
             if permit is not None:

@@ -98,6 +98,10 @@ class RunStore(abc.ABC):
         ``last_seq`` 1), or if the lifecycle refuses one of ``then`` (see
         :func:`created_record`); then nothing is stored. ``then`` lets a run that
         may start at once store STARTED with its QUEUED event: one write, not two.
+        A store should end creates in the order they are called, or close
+        together: the run manager lets runs into the gate in that order, so a
+        run whose create ends first is let in only once those called before it
+        have ended.
         """
 
     @abc.abstractmethod
