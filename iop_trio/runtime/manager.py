@@ -549,12 +549,12 @@ class RunManager:
             raise
         entry.stored = True
         went = self._enter_stored(entry)
-        if went is not None:
+        if went is not None:  # admitted at once, refused, or cancelled while stored
             await went()
-        # else a run that came before is stored (the store writes in order) and not yet
-        # woken: it enters the gate for both, and starts what comes next for this one
-        # else the run waits in the gate as data, and this task ends: a grant starts the
-        # run's next task (_admitted), its deadline or a cancel ends it (_expired, _cancel)
+        # else this task ends: the run waits in the gate as data (a grant starts its next
+        # task, _admitted; its deadline or a cancel ends it, _expired, _cancel), or a run
+        # that came before it is stored but not yet woken, and lets it in (the store
+        # writes in order, so within the scheduler's round)
 
     def _enter_stored(self, own: _Entering | None) -> Callable[[], Awaitable[None]] | None:
         """Enter the gate for each run at the head of the line that is stored QUEUED, in
