@@ -980,6 +980,17 @@ class Stack:
         )
 
 
+def start_engine(start: Callable[..., Proc], env: dict[str, str], folder: Path) -> tuple[Proc, int]:
+    """Start the fake engine (this file with ``--engine``); it and the port it listens on."""
+    engine = start(
+        "engine",
+        [sys.executable, str(Path(__file__).resolve()), "--engine"],
+        env,
+        folder / "engine.log",
+    )
+    return engine, int(engine.wait_for(r"engine listening on 127\.0\.0\.1:(\d+)").group(1))
+
+
 @contextmanager
 def stack(*, limit: int, store: str = "sqlite", node_profile: str | None = None) -> Iterator[Stack]:
     """Start the engine, the edge and the node (in a temporary folder); end them after."""
@@ -987,13 +998,7 @@ def stack(*, limit: int, store: str = "sqlite", node_profile: str | None = None)
     with tempfile.TemporaryDirectory(prefix="iop-relay-") as tmp, processes() as start:
         folder = Path(tmp)
         base_env = {k: v for k, v in os.environ.items() if not k.startswith("IOP_")}
-        engine = start(
-            "engine",
-            [sys.executable, str(Path(__file__).resolve()), "--engine"],
-            base_env,
-            folder / "engine.log",
-        )
-        engine_port = int(engine.wait_for(r"engine listening on 127\.0\.0\.1:(\d+)").group(1))
+        engine, engine_port = start_engine(start, base_env, folder)
         edge_port = free_port()
         edge = start(
             "edge",
@@ -1051,35 +1056,26 @@ async def node_alone(engine_url: str, folder: Path, runs: int, delay: float) -> 
     from iop_trio.store.sqlite import SqliteStore
 
     body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "stream": True}
-    token = f'"content":{json.dumps(TOKEN_TEXT)}'  # as the engine writes a token
     async with httpx.AsyncClient(timeout=30) as http:
 
-        async def engine_times() -> tuple[list[float], list[float]]:
-            times = (await http.get(engine_url + "/bench/times")).json()
-            return times["arrivals"], times["first_tokens"]
-
-        async def configure() -> None:
+        async def configure() -> Tally:
             config = {"tokens": 2, "delay": delay}
             (await http.post(engine_url + "/bench/config", json=config)).raise_for_status()
+            return Tally(-math.inf, math.inf, expected_chars=2 * len(TOKEN_TEXT))
 
-        async def direct() -> float | None:
-            first = None
-            async with http.stream("POST", engine_url + "/v1/chat/completions", json=body) as r:
-                decoder = SSEDecoder()
-                async for data in r.aiter_bytes():
-                    for event in decoder.feed(data):
-                        if first is None and token in event.data:
-                            first = time.monotonic()
-            return first
+        async def halves(tally: Tally) -> tuple[float, float]:
+            """p50 (ms) of the way to the engine and of the way back (see split_ttft)."""
+            times = (await http.get(engine_url + "/bench/times")).json()
+            to, back = split_ttft(tally, times["arrivals"], times["first_tokens"])
+            return percentile(to, 50) * 1e3, percentile(back, 50) * 1e3
 
-        rows: dict[str, tuple[float, float]] = {}
-        await configure()
-        starts, firsts = [], []
+        tally = await configure()
         for _ in range(runs):
-            starts.append(time.monotonic())
-            firsts.append(await direct())
-        rows["direct"] = _halves(starts, firsts, *await engine_times())
-        await configure()
+            began = tally.begin()
+            async with http.stream("POST", engine_url + "/v1/chat/completions", json=body) as r:
+                await read_sse(r, tally, began)
+        d_to, d_back = await halves(tally)
+        tally = await configure()
         adapter = OpenAIAdapter(ADAPTER, OpenAISettings(base_url=engine_url))
         node = Node(
             node_id="alone",
@@ -1087,18 +1083,16 @@ async def node_alone(engine_url: str, folder: Path, runs: int, delay: float) -> 
             targets=[TargetSpec(ADAPTER, MODEL, concurrency=4)],
             store=SqliteStore(folder / "alone.db"),
         )
-        starts, firsts = [], []
         async with node.running():
             for _ in range(runs):
-                starts.append(time.monotonic())
+                began = tally.begin()
                 submitted = await node.manager.submit(RunSpec(TARGET, PROMPT))
-                first = None
+                chars = 0
                 async for event in node.manager.watch(submitted.record.run_id, after_seq=1):
-                    if first is None and event.text:
-                        first = time.monotonic()
-                firsts.append(first)
-        rows["node"] = _halves(starts, firsts, *await engine_times())
-    (d_to, d_back), (n_to, n_back) = rows["direct"], rows["node"]
+                    if event.text:
+                        tally.text(began, not chars, len(event.text))
+                        chars += len(event.text)
+        n_to, n_back = await halves(tally)
     print(
         f"node alone, {runs} runs one at a time, {delay * 1e3:g} ms a token, p50:\n"
         f"  to the engine:        direct {d_to:.2f} ms, node {n_to:.2f} ms "
@@ -1108,26 +1102,11 @@ async def node_alone(engine_url: str, folder: Path, runs: int, delay: float) -> 
     )
 
 
-def _halves(
-    starts: list[float], firsts: list[float | None], arrivals: list[float], written: list[float]
-) -> tuple[float, float]:
-    """p50 (ms) of the way to the engine and of the way back, run by run (monotonic)."""
-    to = [(a - s) * 1e3 for s, a in zip(starts, arrivals, strict=False)]
-    back = [(f - w) * 1e3 for f, w in zip(firsts, written, strict=False) if f is not None]
-    return percentile(to, 50), percentile(back, 50)
-
-
 def main(ns: argparse.Namespace) -> int:
     machine_facts(sys.stdout)
     if ns.node_alone:
         with tempfile.TemporaryDirectory(prefix="iop-relay-") as tmp, processes() as start:
-            engine = start(
-                "engine",
-                [sys.executable, str(Path(__file__).resolve()), "--engine"],
-                dict(os.environ),
-                Path(tmp) / "engine.log",
-            )
-            port = int(engine.wait_for(r"engine listening on 127\.0\.0\.1:(\d+)").group(1))
+            _, port = start_engine(start, dict(os.environ), Path(tmp))
             for delay in ns.delays_ms:
                 trio.run(
                     node_alone, f"http://127.0.0.1:{port}", Path(tmp), ns.node_alone, delay / 1e3
