@@ -136,6 +136,11 @@ class _LiveRun:
     def __repr__(self) -> str:
         return f"<LiveRun {self.state.record!r} published={self.published}>"
 
+    def stopped(self) -> _Outcome:
+        """How a run cancelled or stopped before its own end ends: as the stop said, else
+        CANCELLED with the cancel's reason."""
+        return self.stop_outcome or _Outcome(RunStatus.CANCELLED, self.cancel_reason or "cancelled")
+
     def publish(self, event: RunEvent) -> None:
         self.events.append(event)
         if len(self.events) > SHORT_WINDOW and isinstance(self.events, list):
@@ -577,10 +582,7 @@ class RunManager:
         in the gate as data)."""
         live, target, spec = entry.live, entry.target, entry.spec
         if live.cancelling:  # cancelled while being stored: it never waits nor starts
-            outcome = live.stop_outcome or _Outcome(
-                RunStatus.CANCELLED, live.cancel_reason or "cancelled"
-            )
-            return partial(self._finish, live, outcome)
+            return partial(self._finish, live, live.stopped())
         try:
             permit = self._gate.enter(
                 live,
@@ -647,9 +649,7 @@ class RunManager:
                     with live.scope:
                         outcome = await self._execute_admitted(live, target, spec, started)
                 if outcome is None:  # cancelled, or stopped otherwise
-                    outcome = live.stop_outcome or _Outcome(
-                        RunStatus.CANCELLED, live.cancel_reason or "cancelled"
-                    )
+                    outcome = live.stopped()
         except trio.Cancelled:
             # the node-wide nursery is being cancelled (shutdown)
             outcome = _Outcome(RunStatus.CANCELLED, "node_shutdown", "the node stopped")
