@@ -324,7 +324,7 @@ def test_a_bad_tenant_share_is_refused_and_nothing_changes(limits, match):
         gate.set_tenant("bad name", TenantLimits())
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(
     weights=st.tuples(st.sampled_from([1, 2, 3, 0.5]), st.sampled_from([1, 2, 3, 0.5])),
     arrivals=st.lists(st.sampled_from("ab"), min_size=2, max_size=40),

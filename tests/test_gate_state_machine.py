@@ -579,7 +579,6 @@ class GateMachine(RuleBasedStateMachine):
 GateMachine.TestCase.settings = settings(
     max_examples=150,
     stateful_step_count=40,
-    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestGateMachine = GateMachine.TestCase

@@ -214,7 +214,7 @@ def test_struct_numbers_come_back_as_ints_where_whole():
 _KINDS = [EventKind.DELTA, EventKind.DELTA, EventKind.DELTA, EventKind.STARTED]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(
     pieces=st.lists(
         st.tuples(st.sampled_from(["r1", "r2"]), st.sampled_from(_KINDS), st.text(max_size=5)),

@@ -637,7 +637,6 @@ async def _dump(store: RunStore) -> tuple[object, ...]:
 
 @settings(
     max_examples=40,
-    deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(ops=st.lists(_OPS, max_size=25))

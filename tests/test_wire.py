@@ -267,7 +267,6 @@ async def test_oversized_message_closes_that_connection_with_1009_only():
 
 @settings(
     max_examples=40,
-    deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(frames=st.lists(st.binary(max_size=300), min_size=1, max_size=15))
@@ -299,7 +298,6 @@ async def hello_then(ws, conn: ProtoConnection) -> None:  # type: ignore[no-unty
 
 @settings(
     max_examples=25,
-    deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(frames=st.lists(st.binary(max_size=300), min_size=1, max_size=10))
