@@ -46,6 +46,7 @@ from .model import (
     tenant_problem,
 )
 from .runtime import AdapterSlot, RuntimeLimits
+from .structure import problems, strict_converter
 from .transport.tls import client_context
 
 ENV_PREFIX = "IOP_"
@@ -158,7 +159,9 @@ class TargetConfig:
     max_run_time: float | None = attrs.field(default=None, validator=_positive)
     # run options callers may set (null: the adapter kind's default), and caps on them
     allow_options: list[str] | None = None
-    option_caps: dict[str, float] = attrs.field(factory=dict)
+    # a number (the most a caller may ask; its low end from model.OPTION_FLOORS) or
+    # {min, max}; checked with the rest of the target (model.option_rules_problem)
+    option_caps: dict[str, Any] = attrs.field(factory=dict)
 
     def spec(self) -> TargetSpec:
         return TargetSpec(
@@ -349,33 +352,7 @@ def _make_adapter(registry: AdapterRegistry, name: str, cfg: AdapterConfig, sour
 
 
 def _strict_converter() -> cattrs.Converter:
-    conv = cattrs.Converter(forbid_extra_keys=True)
-
-    def exact_int(value: Any, _: type) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"must be an integer, not {value!r}")
-        return value
-
-    def number(value: Any, _: type) -> float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"must be a number, not {value!r}")
-        return float(value)
-
-    def text(value: Any, _: type) -> str:
-        if not isinstance(value, str):
-            raise ValueError(f"must be a string, not {value!r}")
-        return value
-
-    def boolean(value: Any, _: type) -> bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"must be true or false, not {value!r}")
-        return value
-
-    conv.register_structure_hook(int, exact_int)
-    conv.register_structure_hook(float, number)
-    conv.register_structure_hook(str, text)
-    conv.register_structure_hook(bool, boolean)
-    conv.register_structure_hook(Any, lambda value, _: value)
+    conv = strict_converter()
 
     base_adapter = conv.get_structure_hook(AdapterConfig)
 
@@ -397,38 +374,13 @@ def _strict_converter() -> cattrs.Converter:
 _CONVERTER = _strict_converter()
 
 
-def _format(exc: BaseException, _type: Any) -> str:
-    if isinstance(exc, KeyError):
-        return (
-            f"required key {exc.args[0]!r} is missing" if exc.args else "a required key is missing"
-        )
-    if isinstance(exc, cattrs.ForbiddenExtraKeysError):
-        return f"unknown key(s) {', '.join(sorted(exc.extra_fields))}"
-    literal = re.fullmatch(r"(.*) not in literal typing\.Literal\[(.*)\]", str(exc))
-    if literal:
-        return f"must be one of {literal.group(2)}, not {literal.group(1)!r}"
-    if isinstance(exc, ValueError | TypeError):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
-
-
 def _messages(exc: Exception, prefix: str = "") -> list[str]:
-    """'path: problem' lines from a cattrs error (the path without the leading '$.',
-    under ``prefix`` if given)."""
-    lines = []
-    for line in cattrs.transform_error(exc, path="$", format_exception=_format):
-        message, _, path = line.rpartition(" @ ")
-        path = re.sub(r"\['([^']*)'\]", r".\1", path).removeprefix("$").removeprefix(".")
-        # a validator names its own field: "field: problem" at the class's path
-        if ": " in message and not message.startswith(("required", "unknown")):
-            field, _, rest = message.partition(": ")
-            if re.fullmatch(r"[a-z_][a-z0-9_]*(, [a-z_][a-z0-9_]*)*", field):
-                path = f"{path}.{field}" if path else field
-                message = rest
-        path = ".".join(p for p in (prefix, path) if p)
-        message = _hide_secret(path, message)
-        lines.append(f"{path}: {message}" if path else message)
-    return lines
+    """'path: problem' lines from a cattrs error (:func:`~iop_trio.structure.problems`),
+    a secret's value hidden."""
+    return [
+        f"{path}: {_hide_secret(path, message)}" if path else message
+        for path, message in problems(exc, prefix)
+    ]
 
 
 #: The sections of node.yaml that are one attrs class each, for IOP_* overrides.

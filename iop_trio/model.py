@@ -220,7 +220,7 @@ class TargetSpec:
     max_run_time: float | None = None
     # what callers may set (see caller_options); None takes the adapter's default
     allow_options: frozenset[str] | None = attrs.field(default=None, converter=_names_or_none)
-    option_caps: Mapping[str, float] = attrs.field(factory=dict)
+    option_caps: Mapping[str, float | Mapping[str, float]] = attrs.field(factory=dict)
 
     @property
     def name(self) -> str:
@@ -237,14 +237,17 @@ class TargetSpec:
 
         A caller may set the keys in ``allow_options`` (resolved: the node fills in the
         adapter's default), and a key inside a mapping option as ``"outer.inner"``
-        (``"extra_body.min_p"``); never the keys in :data:`PINNED_OPTIONS`. A number
-        over its ``option_caps`` entry is lowered to it; a capped key that neither the
-        caller nor the profile sets gets the cap, so a cap on ``max_tokens`` bounds
-        every run.
+        (``"extra_body.min_p"``); never the keys in :data:`PINNED_OPTIONS`. No number in
+        an option (however deep) may be NaN or infinite. A capped option
+        (``option_caps``, see :func:`option_range`) must be a number: one under the
+        range's low end is refused, one over its high end is lowered to it, and a run
+        that sets none (nor the profile) gets the high end, so a cap on ``max_tokens``
+        bounds every run.
         """
         allowed = self.allow_options or frozenset()
         given: dict[str, Any] = {}
         for key, value in options.items():
+            _check_finite(self, key, value)
             if isinstance(value, Mapping):
                 inner = {}
                 for sub, sub_value in value.items():
@@ -255,15 +258,18 @@ class TargetSpec:
                 _check_option(self, allowed, key, key)
                 given[key] = _capped(self, key, value)
         for name, cap in self.option_caps.items():
+            high = option_range(name, cap).high
+            if high is None:
+                continue
             outer, _, inner_key = name.partition(".")
             profile = self.params.get(outer)
             if inner_key:
                 if inner_key not in given.get(outer, {}) and not (
                     isinstance(profile, Mapping) and inner_key in profile
                 ):
-                    given[outer] = {**given.get(outer, {}), inner_key: cap}
+                    given[outer] = {**given.get(outer, {}), inner_key: _as_given(high)}
             elif outer not in given and profile is None:
-                given[outer] = cap
+                given[outer] = _as_given(high)
         return given
 
 
@@ -295,18 +301,68 @@ def pinned_problem(name: str) -> str | None:
     return None
 
 
+#: The low end of a capped option's range when its target gives none (see
+#: :func:`option_range`): a count of tokens or choices is at least 1 (engines read 0 or
+#: less as "no limit": Ollama's ``num_predict`` -1 writes until the context is full,
+#: -2 until it is filled), any other option 0.
+OPTION_FLOORS: Mapping[str, float] = {
+    "max_tokens": 1,
+    "max_completion_tokens": 1,
+    "num_predict": 1,
+    "n": 1,
+}
+
+
+@attrs.frozen
+class OptionRange:
+    """The range of a capped option: a caller's value under ``low`` is refused, one over
+    ``high`` lowered to it (None: no high end)."""
+
+    low: float
+    high: float | None
+
+
+def option_range(name: str, cap: object) -> OptionRange:
+    """The range an ``option_caps`` entry means: a number is the high end, with the low
+    end of :data:`OPTION_FLOORS` (by the option's last name part; 0 if not there); a
+    mapping gives ``min`` and/or ``max`` itself (``{min: -2, max: 2}``). The entry must
+    be valid (:func:`option_rules_problem`)."""
+    floor = OPTION_FLOORS.get(name.rpartition(".")[2], 0)
+    if isinstance(cap, Mapping):
+        high = cap.get("max")
+        return OptionRange(float(cap.get("min", floor)), None if high is None else float(high))
+    assert isinstance(cap, int | float)
+    return OptionRange(float(floor), float(cap))
+
+
+def _cap_problem(cap: object) -> str | None:
+    if not isinstance(cap, Mapping):
+        return positive_problem(cap)
+    if not cap or not set(cap) <= {"min", "max"}:
+        return f"must be a number > 0 or a mapping of min and/or max, not {cap!r}"
+    for key, value in cap.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"{key} must be a number, not {value!r}"
+        if not math.isfinite(value):
+            return f"{key} must be a finite number, not {value!r}"
+    if "min" in cap and "max" in cap and cap["min"] > cap["max"]:
+        return f"min {cap['min']!r} is over max {cap['max']!r}"
+    return None
+
+
 def option_rules_problem(
     allow: Iterable[str], caps: Mapping[str, object]
 ) -> tuple[str, str] | None:
     """What is wrong with a target's rules for caller options, as (the key at fault,
     the problem), or None: an ``allow_options`` entry that is pinned, or an
-    ``option_caps.<name>`` that is not a number > 0. Config and the node both ask."""
+    ``option_caps.<name>`` that is neither a number > 0 nor a mapping of a finite
+    ``min`` and/or ``max`` (min <= max). Config and the node both ask."""
     for name in sorted(allow):
         problem = pinned_problem(name)
         if problem is not None:
             return "allow_options", problem
     for name, cap in caps.items():
-        problem = positive_problem(cap)
+        problem = _cap_problem(cap)
         if problem is not None:
             return f"option_caps.{name}", problem
     return None
@@ -320,14 +376,42 @@ def _check_option(target: TargetSpec, allowed: frozenset[str], name: str, leaf: 
         )
 
 
+def _check_finite(target: TargetSpec, name: str, value: Any) -> None:
+    """InvalidRequest naming ``name`` if a number in ``value`` (however deep) is NaN or
+    infinite: no engine's JSON can carry one. The walk is iterative and bounded."""
+    stack: list[Any] = [value]
+    seen = 0
+    while stack and seen < 100_000:
+        item = stack.pop()
+        seen += 1
+        if isinstance(item, float) and not math.isfinite(item):
+            raise InvalidRequest(
+                f"option {name!r} on {target.name} holds {item!r}: numbers must be finite"
+            )
+        if isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+
+
+def _as_given(bound: float) -> int | float:
+    return int(bound) if float(bound).is_integer() else bound
+
+
 def _capped(target: TargetSpec, name: str, value: Any) -> Any:
     cap = target.option_caps.get(name)
     if cap is None:
         return value
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise InvalidRequest(f"option {name!r} must be a number, not {value!r}")
-    if value > cap:
-        return int(cap) if isinstance(value, int) and float(cap).is_integer() else cap
+    bounds = option_range(name, cap)
+    if value < bounds.low:
+        raise InvalidRequest(
+            f"option {name!r} must be at least {bounds.low:g} on {target.name}, not {value!r}"
+        )
+    if bounds.high is not None and value > bounds.high:
+        high = bounds.high
+        return int(high) if isinstance(value, int) and float(high).is_integer() else high
     return value
 
 

@@ -6,6 +6,7 @@ the target's model and only the options the target lets callers set, capped.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -145,3 +146,56 @@ def test_every_pinned_option_is_refused_by_default():
     for name in sorted(PINNED_OPTIONS):
         with pytest.raises(InvalidRequest, match=f"option '{name}' may not be set"):
             target.caller_options({name: 1})
+
+
+async def test_a_cap_is_a_range_and_a_value_under_it_is_refused_naming_the_option(server):
+    server.push(openai_reply(["ok"]))
+    node = openai_node(
+        server,
+        option_caps={"max_tokens": 100, "presence_penalty": {"min": -1, "max": 1}},
+        allow_options={"max_tokens", "presence_penalty", "temperature"},
+    )
+    async with node.running():
+        for options, match in [
+            ({"max_tokens": -1}, "option 'max_tokens' must be at least 1 on vllm/qwen, not -1"),
+            ({"max_tokens": 0}, "option 'max_tokens' must be at least 1"),
+            ({"presence_penalty": -1.5}, "option 'presence_penalty' must be at least -1"),
+            ({"max_tokens": float("inf")}, "numbers must be finite"),
+            ({"temperature": float("nan")}, "numbers must be finite"),
+        ]:
+            with pytest.raises(InvalidRequest, match=re.escape(match)):
+                await node.manager.submit(RunSpec("vllm/qwen", "p", options=options))
+        spec = RunSpec("vllm/qwen", "p", options={"presence_penalty": -0.5, "max_tokens": 7})
+        record, _ = await run_to_end(node, spec)
+        assert [r.run_id for r in await node.manager.list_runs()] == [record.run_id]
+    assert record.status is RunStatus.SUCCEEDED
+    assert [(e.json["max_tokens"], e.json["presence_penalty"]) for e in server.exchanges] == [
+        (7, -0.5)
+    ]
+
+
+@pytest.mark.parametrize("value", [-1, -2, 0])
+async def test_ollamas_no_limit_values_do_not_pass_a_cap_on_num_predict(server, value):
+    node = make_node(OLLAMA.adapter(server.url), model="llama3", option_caps={"num_predict": 100})
+    async with node.running():
+        with pytest.raises(InvalidRequest, match="option 'num_predict' must be at least 1"):
+            await node.manager.submit(RunSpec("ollama/llama3", "p", options={"num_predict": value}))
+    assert server.exchanges == []
+
+
+@pytest.mark.parametrize(
+    ("caps", "match"),
+    [
+        ({"max_tokens": {"max": 5, "min": 9}}, "min 9 is over max 5"),
+        ({"max_tokens": {"most": 5}}, "a mapping of min and/or max"),
+        ({"max_tokens": {"max": float("nan")}}, "must be a finite number"),
+    ],
+)
+def test_a_range_cap_is_checked_when_the_target_is_made(caps, match):
+    with pytest.raises(ValueError, match=match):
+        Node(
+            node_id="n",
+            adapters=[EchoAdapter()],
+            targets=[TargetSpec("echo", "m", option_caps=caps)],
+            store=MemoryStore(),
+        )

@@ -14,6 +14,7 @@ by params (target profile or run options):
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -30,8 +31,8 @@ _WORD = re.compile(r"\S+\s*|\s+")
 
 def _number(params: Mapping[str, Any], key: str, default: float) -> float:
     value = params.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise AdapterError("invalid_params", f"echo param {key!r} must be a number >= 0")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise AdapterError("invalid_params", f"echo param {key!r} must be a finite number >= 0")
     return float(value)
 
 

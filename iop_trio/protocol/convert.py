@@ -10,7 +10,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import struct_pb2
 
 from .._gen.iop import runtime_pb2 as pb
 from ..model import (
@@ -85,21 +85,24 @@ def struct_from_dict(values: Mapping[str, Any]) -> struct_pb2.Struct:
     return struct
 
 
-def dict_from_struct(struct: struct_pb2.Struct) -> dict[str, Any]:
-    """A plain dict; whole numbers come back as int (Struct only has doubles)."""
+def dict_from_struct(struct: struct_pb2.Struct, what: str = "option") -> dict[str, Any]:
+    """A plain dict; whole numbers come back as int (Struct only has doubles).
+    InvalidRequest naming the key (``what`` and its path) for a number that is NaN or
+    infinite, which no engine's JSON can carry."""
 
-    def tidy(value: Any) -> Any:
-        if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
-            return int(value)
-        if isinstance(value, dict):
-            return {k: tidy(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [tidy(v) for v in value]
+    def plain(value: Any, path: str) -> Any:
+        if isinstance(value, struct_pb2.Struct):
+            return {key: plain(item, f"{path}.{key}") for key, item in value.items()}
+        if isinstance(value, struct_pb2.ListValue):
+            return [plain(item, f"{path}[{i}]") for i, item in enumerate(value)]
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise InvalidRequest(f"{what} {path!r} is {value!r}: numbers must be finite")
+            if value.is_integer() and abs(value) < 2**53:
+                return int(value)
         return value
 
-    result = tidy(json_format.MessageToDict(struct))
-    assert isinstance(result, dict)
-    return result
+    return {key: plain(value, key) for key, value in struct.items()}
 
 
 def event_to_pb(event: RunEvent) -> pb.RunEvent:
@@ -276,9 +279,6 @@ def spec_from_request(request: pb.RunRequest) -> RunSpec:
     if not request.prompt and not messages:
         raise InvalidRequest("run request with neither a prompt nor messages")
     options = dict_from_struct(request.options) if request.HasField("options") else {}
-    for key, value in options.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise InvalidRequest(f"option {key!r} is not a finite number")
     return RunSpec(
         target=request.target,
         prompt=request.prompt,
