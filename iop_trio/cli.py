@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import functools
 import json
 import logging
 import os
@@ -571,9 +570,9 @@ async def edge_command(ns: argparse.Namespace, out: TextIO) -> int:
     """The reference edge, until SIGTERM or SIGINT: nodes dial /node, clients /client."""
     from .config import read_secret_file
     from .edge import Edge
-    from .edge.front_door import OpenAIFrontDoor
+    from .edge.front_door import serve_door
     from .edge.identities import Identities, IdentityError
-    from .transport.asgi import serve_asgi
+    from .transport.guard import ConnectionBounds
     from .transport.tls import server_context
 
     try:
@@ -599,6 +598,8 @@ async def edge_command(ns: argparse.Namespace, out: TextIO) -> int:
             code=2,
         )
     context = None
+    if ns.cert_file is None and (ns.key_file or ns.client_ca_file):
+        raise CliError("--key-file and --client-ca-file go with --cert-file (TLS)", code=2)
     if ns.cert_file is not None:
         read_secret_file(
             ns.key_file or ns.cert_file, "--key-file" if ns.key_file else "--cert-file"
@@ -617,7 +618,28 @@ async def edge_command(ns: argparse.Namespace, out: TextIO) -> int:
             raise CliError(
                 f"--openai-listen must be host:port, not {ns.openai_listen!r}", code=2
             ) from None
-    edge = Edge(token=token, identities=identities, ssl_context=context, edge_id=ns.edge_id)
+    try:
+        bounds = ConnectionBounds(
+            max_connections=ns.max_connections,
+            max_unproven_per_peer=ns.max_unproven_per_peer,
+            handshake_timeout=ns.handshake_timeout,
+        )
+    except ValueError as exc:
+        raise CliError(f"connection bounds: {exc}", code=2) from None
+    edge = Edge(
+        token=token,
+        identities=identities,
+        ssl_context=context,
+        edge_id=ns.edge_id,
+        bounds=bounds,
+    )
+    if identities is None:
+        log.warning(
+            "edge: one shared token: whoever holds it may use every target, read, follow "
+            "and cancel every run and pose as any node, and nothing bounds one caller's "
+            "rate; give each caller and node a token of its own with --identities "
+            "(docs/security.md)"
+        )
     refused: tuple[str, OSError] | None = None
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
@@ -628,16 +650,7 @@ async def edge_command(ns: argparse.Namespace, out: TextIO) -> int:
                 out.write(f"clients: {edge.client_url})\n")
                 if door_address is not None:
                     listening = ns.openai_listen
-                    door_port = await nursery.start(
-                        functools.partial(
-                            serve_asgi,
-                            read_timeout=None,  # a long stream is not an idle client
-                            cert_file=ns.cert_file,
-                            key_file=ns.key_file,
-                        ),
-                        OpenAIFrontDoor(edge),
-                        *door_address,
-                    )
+                    door_port = await nursery.start(serve_door, edge, *door_address)
                     scheme = "http" if ns.cert_file is None else "https"
                     door_host = door_address[0]
                     shown = f"[{door_host}]" if ":" in door_host else door_host
@@ -702,8 +715,7 @@ async def demo(ns: argparse.Namespace, out: TextIO) -> int:
     until Ctrl-C. The node is an ordinary ``serve`` of a config written to ``ns.var``: its
     runs are kept in a SQLite file there and its metrics are served."""
     from .edge import Edge
-    from .edge.front_door import OpenAIFrontDoor
-    from .transport.asgi import serve_asgi
+    from .edge.front_door import serve_door
 
     folder = Path(ns.var)
     edge = Edge(token=DEMO_TOKEN, edge_id="demo-edge")
@@ -713,12 +725,7 @@ async def demo(ns: argparse.Namespace, out: TextIO) -> int:
         try:
             port = await edge_nursery.start(edge.serve, "127.0.0.1", ns.port)
             listening = f"127.0.0.1:{ns.api_port}"
-            api_port = await edge_nursery.start(
-                partial(serve_asgi, read_timeout=None),
-                OpenAIFrontDoor(edge),
-                "127.0.0.1",
-                ns.api_port,
-            )
+            api_port = await edge_nursery.start(serve_door, edge, "127.0.0.1", ns.api_port)
         except OSError as exc:
             raise CliError(f"cannot listen on {listening}: {exc.strerror or exc}") from None
         metrics_port = ns.metrics_port or _free_port()
@@ -877,7 +884,29 @@ def _parser() -> argparse.ArgumentParser:
         "--openai-listen",
         metavar="HOST:PORT",
         help="also serve an OpenAI-compatible API (POST /v1/chat/completions, GET /v1/models) "
-        "there; its bearer tokens are the callers' (https with --cert-file)",
+        "there; its bearer tokens are the callers' (https with --cert-file, and client "
+        "certificates with --client-ca-file, as on the WebSocket port)",
+    )
+    p.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a connection not authenticated within this is closed (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-unproven-per-peer",
+        type=int,
+        default=32,
+        metavar="N",
+        help="connections from one address that may wait to authenticate at once "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        metavar="N",
+        help="connections at once, both ports together (default: the open-file limit less 64)",
     )
 
     sub.add_parser(

@@ -11,7 +11,13 @@ import trio
 from trio_websocket import ConnectionRejected
 
 from iop_trio.edge import Edge
-from iop_trio.edge.identities import Identities, IdentityError, token_digest
+from iop_trio.edge.identities import (
+    CallerLimits,
+    Identities,
+    IdentityError,
+    TokenBucket,
+    token_digest,
+)
 from iop_trio.protocol import pb
 from iop_trio.runtime import Node, RunSpec
 from iop_trio.transport import NodeLink, RemoteError, open_runner
@@ -79,7 +85,7 @@ def test_the_identities_file_is_checked():
             "the same token",
         ),
         ({"callers": {"bad name": {"token_sha256": token_digest("t")}}}, "a name is"),
-        ({"users": {}}, "callers and nodes"),
+        ({"users": {}}, "limits, callers and nodes"),
     ]:
         with pytest.raises(IdentityError, match=match):
             Identities.from_data(data)
@@ -190,3 +196,89 @@ async def test_changing_limits_through_the_edge_needs_the_right():
         with pytest.raises(RemoteError) as gone:
             await ops.set_limits(node_id="n9", concurrency=1)
         assert gone.value.code == pb.ERROR_CODE_UNAVAILABLE
+
+
+def test_a_callers_limits_come_from_its_entry_over_the_files_defaults():
+    data = {
+        "limits": {"requests_per_second": 10, "max_runs": 4},
+        "callers": {
+            "a": {"token_sha256": token_digest("a")},
+            "b": {"token_sha256": token_digest("b"), "burst": 3, "max_runs": 9},
+        },
+    }
+    found = Identities.from_data(data)
+    a, b = found.caller("a"), found.caller("b")
+    assert a is not None and b is not None
+    assert (a.limits.requests_per_second, a.limits.bucket_size, a.limits.max_runs) == (10, 20, 4)
+    assert (b.limits.requests_per_second, b.limits.bucket_size, b.limits.max_runs) == (10, 3, 9)
+    plain = Identities.from_data(IDENTITIES).caller("bob-token")
+    assert plain is not None and plain.limits == CallerLimits()  # sane defaults
+    for bad, match in [
+        (
+            {"limits": {"requests_per_second": 0}},
+            "limits.requests_per_second: must be a number > 0",
+        ),
+        ({"limits": {"rate": 1}}, "limits: a mapping of"),
+        (
+            {"callers": {"x": {"token_sha256": token_digest("t"), "max_runs": 0}}},
+            "callers.x.max_runs: must be an integer >= 1",
+        ),
+    ]:
+        with pytest.raises(IdentityError, match=match):
+            Identities.from_data(bad)
+
+
+def test_a_token_bucket_refills_at_its_rate_up_to_its_size():
+    bucket = TokenBucket(rate=2.0, size=3.0, now=0.0)
+    assert [bucket.take(0.0) for _ in range(3)] == [None, None, None]
+    assert bucket.take(0.0) == pytest.approx(0.5)  # the next token comes in half a second
+    assert bucket.take(0.5) is None
+    assert bucket.take(100.0) is None and bucket.tokens == pytest.approx(2.0)  # never over 3
+
+
+LIMITED = {
+    "callers": {
+        "greedy": {
+            "token_sha256": token_digest("greedy-token"),
+            "requests_per_second": 1,
+            "burst": 3,
+            "max_runs": 1,
+        },
+        "quiet": {"token_sha256": token_digest("quiet-token")},
+    },
+    "nodes": {"n1": {"token_sha256": token_digest("n1-token")}},
+}
+
+
+async def test_a_caller_over_its_rate_or_its_runs_is_rate_limited_and_others_are_not(
+    autojump_clock,
+):
+    edge = Edge(token=None, identities=Identities.from_data(LIMITED))
+    node = echo_node(("a", 4), delay=1.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(edge.serve)
+        await nursery.start(run_node, node, edge.node_url, "n1-token")
+        await edge.wait_for_node("n1")
+        async with (
+            open_runner(edge.client_url, token="greedy-token") as greedy,
+            open_runner(edge.client_url, token="quiet-token") as quiet,
+        ):
+            async with greedy.run(RunSpec("echo/a", "one two three")) as running:
+                # its one run is open: a second is refused, however it asks
+                with pytest.raises(RemoteError) as busy:
+                    await greedy.submit(RunSpec("echo/a", "more"))
+                assert busy.value.code == pb.ERROR_CODE_RATE_LIMITED
+                assert "max_runs" in busy.value.message and busy.value.retry_after
+                # its burst of 3 is spent (a run, a refused run, now a list): over its rate
+                await greedy.list_runs()
+                with pytest.raises(RemoteError) as fast:
+                    await greedy.list_runs()
+                assert fast.value.code == pb.ERROR_CODE_RATE_LIMITED
+                assert fast.value.retry_after == pytest.approx(1.0, abs=0.05)
+                # another caller is not held back by it
+                for _ in range(20):
+                    await quiet.list_runs()
+                assert (await running.collect())[0] == "one two three"
+            await trio.sleep(1.0)  # a token again, and no run open
+            assert await greedy.submit(RunSpec("echo/a", "later"))
+        nursery.cancel_scope.cancel()

@@ -7,7 +7,8 @@ in a worker thread) talking HTTP to it. Every wait is bounded.
 
 from __future__ import annotations
 
-import functools
+import json
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -19,12 +20,14 @@ import pytest
 import trio
 
 from iop_trio.edge import Edge
-from iop_trio.edge.front_door import OpenAIFrontDoor, parse_chat_request
-from iop_trio.edge.identities import Identities
+from iop_trio.edge.front_door import parse_chat_request, serve_door
+from iop_trio.edge.identities import Identities, token_digest
 from iop_trio.model import EventKind, RunSpec, RunStatus
+from iop_trio.protocol import pb
 from iop_trio.runtime import Node
-from iop_trio.transport.asgi import serve_asgi
+from iop_trio.transport import RemoteError, SessionSettings
 
+from .support import logged
 from .test_edge_identities import IDENTITIES, run_node
 from .test_wire import TOKEN, echo_node, stack
 
@@ -51,8 +54,7 @@ async def in_thread(call: Callable[[], T]) -> T:
 async def door(node: Node) -> AsyncIterator[Door]:
     """``node`` behind an edge with the shared TOKEN, and the front door in front."""
     async with stack(node) as s, trio.open_nursery() as nursery:
-        serve = functools.partial(serve_asgi, read_timeout=None)
-        port = await nursery.start(serve, OpenAIFrontDoor(s.edge), "127.0.0.1", 0)
+        port = await nursery.start(serve_door, s.edge, "127.0.0.1", 0)
         yield Door(s.edge, node, f"http://127.0.0.1:{port}")
         nursery.cancel_scope.cancel()
 
@@ -205,8 +207,7 @@ async def test_with_identities_a_callers_token_names_its_tenant_and_targets():
             await nursery.start(edge.serve)
             await nursery.start(run_node, node, edge.node_url, "n1-token")
             await edge.wait_for_node("n1")
-            serve = functools.partial(serve_asgi, read_timeout=None)
-            port = await nursery.start(serve, OpenAIFrontDoor(edge), "127.0.0.1", 0)
+            port = await nursery.start(serve_door, edge, "127.0.0.1", 0)
             d = Door(edge, node, f"http://127.0.0.1:{port}")
             bob = d.client("bob-token")
             assert [m.id for m in await in_thread(bob.models.list)] == ["echo/a"]
@@ -254,7 +255,7 @@ async def test_bad_bodies_get_400_and_oversize_413_as_openai_errors():
                         ],
                     },
                     400,
-                    "messages[0].content",
+                    "messages[0].content[0].type",
                 ),
                 (
                     {"model": "echo/a", "messages": [{"role": "u", "content": "x"}], "n": 2},
@@ -292,3 +293,101 @@ def test_request_fields_become_options_renamed_for_the_adapter_kind():
     assert request.messages == (("user", "hi"),)
     assert request.stream and not request.include_usage
     assert parse_chat_request(dict(body), "openai").options == {"max_tokens": 5, "temperature": 0.2}
+
+
+async def test_a_door_stream_nobody_reads_is_cancelled_and_frees_its_slot(autojump_clock):
+    # one slot, a run that would write 6.5 GB over 1,000 s, and a client that reads nothing
+    node = echo_node(("a", 1), max_output_bytes=None)
+    async with (
+        stack(node, edge_settings=SessionSettings(send_timeout=3)) as s,
+        trio.open_nursery() as nursery,
+    ):
+        port = await nursery.start(serve_door, s.edge, "127.0.0.1", 0)
+        sock = trio.socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await sock.connect(("127.0.0.1", port))
+        deaf = trio.SocketStream(sock)
+        body = json.dumps(
+            {
+                "model": "echo/a",
+                "messages": [{"role": "user", "content": "x" * 65536}],
+                "stream": True,
+                "delay": 0.01,
+                "repeat": 100_000,
+            }
+        ).encode()
+        await deaf.send_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        ended = trio.Event()
+        node.event_listeners.append(lambda event, record: event.kind.terminal and ended.set())
+        await ended.wait()
+        runs = await node.manager.list_runs()
+        assert (runs[0].status, runs[0].reason) == (RunStatus.CANCELLED, "client_lost")
+        assert runs[0].finished is not None and runs[0].started is not None
+        assert runs[0].finished - runs[0].started < 10  # the send timeout, not the run's end
+        async with s.edge.run(RunSpec("echo/a", "the slot is free")) as stream:
+            assert (await stream.collect())[0] == "the slot is free"
+        await deaf.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_out_of_range_and_unrepresentable_input_is_400_naming_the_field():
+    async with door(echo_node(("a", 2))) as d:
+        headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+        hi = '"messages": [{"role": "user", "content": "hi"}]'
+        deep = "[" * 500 + "]" * 500
+        cases: list[tuple[str, str | None, str]] = [
+            (f'{{"model": "echo/a", {hi}, "priority": 99999999999}}', "priority", "-1000 to 1000"),
+            (f'{{"model": "echo/a", {hi}, "stop": {deep}}}', None, "deeper than 32"),
+            (
+                '{"model": "echo/a", "messages": [{"role": "user", "content": "\\ud800"}]}',
+                "messages[0].content",
+                "lone surrogate",
+            ),
+            (f'{{"model": "echo/a", {hi}, "delay": NaN}}', None, "not a JSON number"),
+            (f'{{"model": "echo/a", {hi}, "delay": 1e400}}', "delay", "too large"),
+            (f'{{"model": "echo/a", {hi}, "stream": "yes"}}', "stream", "true or false"),
+            ('{"model": "", "messages": []}', "model", "must not be empty"),
+        ]
+        with logged("") as records:
+            async with httpx.AsyncClient(base_url=d.url, headers=headers) as http:
+                for body, param, words in cases:
+                    response = await http.post("/v1/chat/completions", content=body)
+                    assert response.status_code == 400, (body[:80], response.text)
+                    error = response.json()["error"]
+                    assert words in error["message"], (body[:80], error)
+                    if param is not None:
+                        assert error["param"] == param, (body[:80], error)
+        assert not [r for r in records if r.exc_info]  # no traceback for any of them
+        # and the node refuses a number that is no number, whoever sends it
+        with pytest.raises(RemoteError) as refused:
+            await d.edge.run(RunSpec("echo/a", "x", options={"delay": float("nan")})).__aenter__()
+        assert refused.value.code == pb.ERROR_CODE_INVALID
+        assert "numbers must be finite" in refused.value.message
+
+
+async def test_a_caller_over_its_rate_gets_429_with_retry_after():
+    identities = {
+        "callers": {
+            "eager": {"token_sha256": token_digest("eager"), "requests_per_second": 1, "burst": 2},
+        },
+        "nodes": {"n1": {"token_sha256": token_digest("n1-token")}},
+    }
+    edge = Edge(token=None, identities=Identities.from_data(identities))
+    with trio.fail_after(WAIT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(edge.serve)
+            await nursery.start(run_node, echo_node(("a", 2)), edge.node_url, "n1-token")
+            await edge.wait_for_node("n1")
+            port = await nursery.start(serve_door, edge, "127.0.0.1", 0)
+            headers = {"Authorization": "Bearer eager"}
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+                statuses = [(await http.get("/v1/models", headers=headers)) for _ in range(3)]
+            assert [r.status_code for r in statuses] == [200, 200, 429]
+            limited = statuses[2]
+            assert limited.json()["error"]["code"] == "rate_limited"
+            assert int(limited.headers["retry-after"]) >= 1
+            nursery.cancel_scope.cancel()

@@ -13,11 +13,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 import trustme
 
 from iop_trio.edge import Edge
+from iop_trio.edge.front_door import serve_door
 from iop_trio.runtime import RunSpec
 from iop_trio.transport import NodeLink, open_runner
 from iop_trio.transport.tls import TLSFailed, client_context, server_context
@@ -158,3 +160,37 @@ def test_the_nodes_tls_settings_come_from_its_config(pki, tmp_path):
         check(data).edge_ssl_context()
     data["edge"] = {"url": "ws://127.0.0.1:1/node", "token": "t"}
     assert check(data).edge_ssl_context() is None
+
+
+async def test_the_door_asks_for_client_certificates_as_the_websocket_port_does(pki):
+    context = server_context(cert_file=pki["edge"], client_ca_file=pki["ca"])
+    edge = Edge(token=TOKEN, ssl_context=context)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    with trio.fail_after(WAIT):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_door, edge, "127.0.0.1", 0)
+            url = f"https://127.0.0.1:{port}/v1/models"
+            anonymous = client_context(ca_file=pki["ca"])
+            async with httpx.AsyncClient(verify=anonymous) as http:
+                with pytest.raises(httpx.TransportError):
+                    await http.get(url, headers=headers)
+            known = client_context(ca_file=pki["ca"], cert_file=pki["client"])
+            async with httpx.AsyncClient(verify=known) as http:
+                response = await http.get(url, headers=headers)
+            assert response.status_code == 200
+            assert response.json() == {"object": "list", "data": []}
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_refused_client_certificate_is_said_at_once(pki):
+    context = server_context(cert_file=pki["edge"], client_ca_file=pki["ca"])
+    async with tls_edge(context) as edge:
+        start = trio.current_time()
+        anonymous = await link_once(edge, client_context(ca_file=pki["ca"]), 10.0)
+        assert anonymous.sessions == 0
+        assert trio.current_time() - start < 5  # not the connect timeout
+        with pytest.raises(TLSFailed):
+            async with open_runner(
+                edge.client_url, token=TOKEN, ssl_context=client_context(ca_file=pki["ca"])
+            ):
+                pass

@@ -12,16 +12,30 @@ Two proto-socket endpoints on one port:
 
 The Python API (:meth:`Edge.run`, :meth:`Edge.cancel`, :meth:`Edge.node`...)
 does the same routing for code running next to the edge.
+
+What a stranger can cost it is bounded (:mod:`iop_trio.transport.guard`): a
+connection that has not authenticated within ``bounds.handshake_timeout`` is closed,
+and the connections that wait to authenticate are bounded per peer address and in
+all, as are all connections (the OpenAI door shares the same guard). With identities,
+each caller's requests are bounded too (its rate and its runs in flight, see
+:mod:`.identities`): over them, ``RATE_LIMITED`` with a retry hint.
+
+A client's request that says when its sender gives up (``answer_within``) and waits
+on the client's session past it is answered UNAVAILABLE and never relayed; one that
+is relayed passes the time left on to the node, less :data:`HOP_MARGIN`, so the node
+refuses it rather than make a run for a caller who is gone.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import math
 import ssl
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager, suppress
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager, suppress
 
 import trio
 from trio_websocket import WebSocketConnection
@@ -29,15 +43,19 @@ from trio_websocket import WebSocketConnection
 from ..model import InvalidRequest, RunSpec, tenant_problem
 from ..protocol import Request, Role, pb
 from ..transport.caller import ACK_TIMEOUT, RunnerClient, RunStream
+from ..transport.guard import ConnectionBounds, ConnectionGuard
 from ..transport.server import serve_proto, shared_token
 from ..transport.session import (
+    Gatekeeper,
     ProtoSession,
+    Refusal,
     RemoteError,
     ReplyTimeout,
     SessionClosed,
     SessionSettings,
+    TooLate,
 )
-from .identities import Caller, Identities, NodeIdentity
+from .identities import Caller, Identities, NodeIdentity, TokenBucket
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +63,13 @@ RUN_OWNERS_KEPT = 100_000
 #: The retry hint (seconds) when a target's node is not connected or was lost: about
 #: the time a node takes to dial back (its backoff starts at a second).
 NODE_RETRY_AFTER = 2.0
+#: The retry hint (seconds) of a caller refused for having its most runs open.
+RUNS_RETRY_AFTER = 1.0
+#: Seconds of a relayed request's time left that the edge keeps for the node's answer
+#: to come back through it: the node is told its sender gives up that much sooner.
+HOP_MARGIN = 1.0
+#: The least time left (seconds) for which a request is still relayed to a node.
+MIN_RELAY_TIME = 0.25
 
 
 class NoNode(LookupError):
@@ -57,6 +82,43 @@ class NodeGone(NoNode):
 
 class Forbidden(Exception):
     """The caller may not do that (a target, a priority)."""
+
+
+class RateLimited(Exception):
+    """The caller is over its rate or its runs in flight; ``retry_after`` seconds is a
+    hint of when it would not be."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def client_refusal(exc: BaseException, kind: str) -> Refusal | None:
+    """The answer to a client's ``kind`` request that failed with ``exc``, or None if
+    ``exc`` is no failure a client can meet (a bug). One table for the proto-socket's
+    ``/client`` and the OpenAI door (which turns the code into an HTTP status)."""
+    if isinstance(exc, NodeGone):
+        return Refusal(pb.ERROR_CODE_UNAVAILABLE, str(exc), NODE_RETRY_AFTER)
+    if isinstance(exc, NoNode):
+        unknown = (
+            pb.ERROR_CODE_UNKNOWN_TARGET if kind == "run_request" else pb.ERROR_CODE_UNKNOWN_RUN
+        )
+        return Refusal(unknown, str(exc))
+    if isinstance(exc, RemoteError):
+        return Refusal(exc.code, exc.message, exc.retry_after)
+    if isinstance(exc, RateLimited):
+        return Refusal(pb.ERROR_CODE_RATE_LIMITED, str(exc), exc.retry_after)
+    if isinstance(exc, SessionClosed | ReplyTimeout):
+        return Refusal(pb.ERROR_CODE_UNAVAILABLE, f"node lost: {exc}", NODE_RETRY_AFTER)
+    table: tuple[tuple[type[Exception], int, float | None], ...] = (
+        (InvalidRequest, pb.ERROR_CODE_INVALID, None),
+        (Forbidden, pb.ERROR_CODE_FORBIDDEN, None),
+        (TooLate, pb.ERROR_CODE_UNAVAILABLE, NODE_RETRY_AFTER),
+    )
+    for kind_of, code, hint in table:
+        if isinstance(exc, kind_of):
+            return Refusal(code, str(exc), hint)
+    return None
 
 
 class NodeHandle(RunnerClient):
@@ -107,8 +169,11 @@ class Edge:
     With ``identities`` (:mod:`iop_trio.edge.identities`) every caller and
     every node has a token of its own, and ``token`` is not used: a node's
     token is good for its own node id only, and a caller's runs are its own
-    (its tenant, its targets, its highest priority; it sees, follows and
-    cancels only its runs, whose ids start with ``<caller>:``).
+    (its tenant, its targets, its highest priority, its rate and runs in flight;
+    it sees, follows and cancels only its runs, whose ids start with ``<caller>:``).
+
+    ``bounds`` bound the connections of :meth:`serve` and of the OpenAI door served
+    with :func:`~iop_trio.edge.front_door.serve_door`, together (``guard``).
     """
 
     def __init__(
@@ -121,6 +186,7 @@ class Edge:
         client_tenant: str = "",
         identities: Identities | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        bounds: ConnectionBounds | None = None,
     ) -> None:
         problem = tenant_problem(client_tenant)
         if problem is not None:
@@ -141,6 +207,10 @@ class Edge:
         self.host = "127.0.0.1"
         self._changed = trio.Event()
         self._run_owner: OrderedDict[str, str] = OrderedDict()
+        self.guard = ConnectionGuard(bounds)
+        # each caller's request rate, and its runs open through the edge, by name
+        self._rates: dict[str, TokenBucket] = {}
+        self.open_runs: collections.Counter[str] = collections.Counter()
 
     def __repr__(self) -> str:
         return f"<Edge {self.edge_id!r} port={self.port} nodes={sorted(self.nodes)}>"
@@ -185,6 +255,7 @@ class Edge:
             authorize=self.authorize,
             ssl_context=self.ssl_context,
             max_message_size=self.settings.max_message_size,
+            guard=self.guard,
             task_status=Started(),  # type: ignore[arg-type]
         )
 
@@ -373,6 +444,61 @@ class Edge:
         handle = await self.owner_of(run_id)
         return await handle.get_run(run_id, include_events=include_events, after_seq=after_seq)
 
+    # --- callers' limits -------------------------------------------------------------
+
+    def take_request(self, caller: Caller | None) -> None:
+        """Count one request of ``caller`` against its rate; RateLimited if it is over it.
+        Without identities (None) nothing is counted."""
+        if caller is None:
+            return
+        limits = caller.limits
+        bucket = self._rates.get(caller.name)
+        now = trio.current_time()
+        if bucket is None:
+            bucket = self._rates[caller.name] = TokenBucket(
+                limits.requests_per_second, limits.bucket_size, now
+            )
+        wait = bucket.take(now)
+        if wait is not None:
+            raise RateLimited(
+                f"caller {caller.name!r} is over its rate ({limits.requests_per_second:g} "
+                f"requests a second, {limits.bucket_size:g} at once); retry in {wait:.2f}s",
+                wait,
+            )
+
+    @contextmanager
+    def counting_run(self, caller: Caller | None) -> Iterator[None]:
+        """Count one run of ``caller`` open through the edge while in the block;
+        RateLimited at once if it has its ``max_runs`` open already."""
+        if caller is None:
+            yield
+            return
+        if self.open_runs[caller.name] >= caller.limits.max_runs:
+            raise RateLimited(
+                f"caller {caller.name!r} has {caller.limits.max_runs} runs open through "
+                "this edge (its max_runs); retry when one has ended",
+                RUNS_RETRY_AFTER,
+            )
+        self.open_runs[caller.name] += 1
+        try:
+            yield
+        finally:
+            self.open_runs[caller.name] -= 1
+            if not self.open_runs[caller.name]:
+                del self.open_runs[caller.name]
+
+    def _gatekeeper(self, caller: Caller) -> Gatekeeper:
+        """Refuses a request of ``caller``'s over its rate before its session queues it."""
+
+        def check(request: Request) -> Refusal | None:
+            try:
+                self.take_request(caller)
+            except RateLimited as exc:
+                return Refusal(pb.ERROR_CODE_RATE_LIMITED, str(exc), exc.retry_after)
+            return None
+
+        return check
+
     # --- clients -------------------------------------------------------------------------
 
     async def _on_client(self, ws: WebSocketConnection, who: object) -> None:
@@ -387,6 +513,7 @@ class Edge:
             handler=handle,
             settings=self.settings,
             name=f"client:{caller.name}" if caller else "client",
+            gatekeeper=None if caller is None else self._gatekeeper(caller),
         )
         self.clients[session.key] = session
         self._notify()
@@ -397,18 +524,39 @@ class Edge:
             self._notify()
         log.debug("edge: client session %s ended: %s", session.key, reason)
 
+    def _relay_bounds(self, session: ProtoSession, nonce: int) -> tuple[float | None, float | None]:
+        """How long to wait for a node's answer to the client's request ``nonce`` and the
+        bound to give the node: the client's time left (less :data:`HOP_MARGIN` for the
+        node), or for a client that gave none the edge's own ``ack_timeout`` and the
+        bound that goes with it (None). TooLate if too little is left to relay it."""
+        left = session.time_left(nonce)
+        if left == math.inf:
+            return self.ack_timeout, None
+        within = left - HOP_MARGIN
+        if within < MIN_RELAY_TIME:
+            raise TooLate(
+                f"its sender gives up in {max(left, 0):.2f}s: too soon for a node's answer; "
+                "retry later"
+            )
+        ack = left if self.ack_timeout is None else min(self.ack_timeout, left)
+        return ack, within
+
     async def _on_client_request(
         self, session: ProtoSession, request: Request, caller: Caller | None
     ) -> None:
         try:
             if request.kind == "run_request":
-                await self._relay_run(session, request, caller)
+                with self.counting_run(caller):
+                    await self._relay_run(session, request, caller)
             elif request.kind in ("cancel_run", "get_run"):
                 run_id = request.message.run_id  # type: ignore[attr-defined]
                 if caller is not None and not run_id.startswith(caller.run_prefix):
                     raise NoNode(f"no run {run_id!r}")  # another's run is no run to this one
                 handle = await self.owner_of(run_id)
-                async with handle._stream(request.kind, request.message) as replies:
+                ack, within = self._relay_bounds(session, request.nonce)
+                async with handle.request_stream(
+                    request.kind, request.message, ack_timeout=ack, answer_within=within
+                ) as replies:
                     async for reply in replies:
                         await session.reply(request.nonce, _kind_of(reply), reply)
             elif request.kind == "list_runs":
@@ -423,7 +571,10 @@ class Edge:
                 target_node = self.nodes.get(message.node_id)
                 if target_node is None:
                     raise NodeGone(f"no node {message.node_id!r} is connected now")
-                limits = await target_node._call("set_limits", message)
+                ack, within = self._relay_bounds(session, request.nonce)
+                limits = await target_node.call(
+                    "set_limits", message, ack_timeout=ack, answer_within=within
+                )
                 await session.reply(request.nonce, "limits", limits)
             else:
                 await session.error(
@@ -431,31 +582,15 @@ class Edge:
                     pb.ERROR_CODE_UNEXPECTED,
                     f"{request.kind!r} goes to a node; the edge does not take it from clients",
                 )
-        except NodeGone as exc:
+        except Exception as exc:
+            refusal = client_refusal(exc, request.kind)
+            if refusal is None:
+                raise
+            if session.closed:
+                return
             await session.error(
-                request.nonce, pb.ERROR_CODE_UNAVAILABLE, str(exc), retry_after=NODE_RETRY_AFTER
+                request.nonce, refusal.code, refusal.message, retry_after=refusal.retry_after
             )
-        except NoNode as exc:
-            code = (
-                pb.ERROR_CODE_UNKNOWN_TARGET
-                if request.kind == "run_request"
-                else pb.ERROR_CODE_UNKNOWN_RUN
-            )
-            await session.error(request.nonce, code, str(exc))
-        except InvalidRequest as exc:
-            await session.error(request.nonce, pb.ERROR_CODE_INVALID, str(exc))
-        except Forbidden as exc:
-            await session.error(request.nonce, pb.ERROR_CODE_FORBIDDEN, str(exc))
-        except RemoteError as exc:
-            await session.error(request.nonce, exc.code, exc.message, retry_after=exc.retry_after)
-        except (SessionClosed, ReplyTimeout) as exc:
-            if not session.closed:
-                await session.error(
-                    request.nonce,
-                    pb.ERROR_CODE_UNAVAILABLE,
-                    f"node lost: {exc}",
-                    retry_after=NODE_RETRY_AFTER,
-                )
 
     async def _relay_run(
         self, session: ProtoSession, request: Request, caller: Caller | None
@@ -472,11 +607,14 @@ class Edge:
         owner = self._run_owner.get(message.run_id) if message.run_id else None
         if owner is not None and owner != handle.node_id and owner in self.nodes:
             raise InvalidRequest(f"run id {message.run_id!r} names a run on another node already")
+        ack, within = self._relay_bounds(session, request.nonce)
         handle.in_flight += 1
         run_id = ""
         finished = False
         try:
-            async with handle._stream("run_request", message) as replies:
+            async with handle.request_stream(
+                "run_request", message, ack_timeout=ack, answer_within=within
+            ) as replies:
                 async for reply in replies:
                     if isinstance(reply, pb.RunAccepted):
                         run_id = reply.run_id
@@ -523,7 +661,10 @@ class Edge:
         runs: list[pb.RunSummary] = []
         for handle in list(self.nodes.values()):
             try:
-                reply = await handle._call("list_runs", message)
+                ack, within = self._relay_bounds(session, request.nonce)
+                reply = await handle.call(
+                    "list_runs", message, ack_timeout=ack, answer_within=within
+                )
             except (RemoteError, SessionClosed, ReplyTimeout) as exc:
                 log.warning("edge: list_runs on node %s failed: %s", handle.node_id, exc)
                 continue

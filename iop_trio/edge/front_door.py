@@ -22,10 +22,19 @@ targets and highest priority apply, and its run ids start with ``<caller>:``).
 
 Edge cases, in the order a request meets them:
 
-- a wrong or missing token: 401; a body over the edge's ``max_message_size``:
-  413; not JSON, or a field of the wrong shape: 400; a target the caller may not
-  use or a priority above its own: 403; a target no connected node serves: 404
-  (``model_not_found``), or 503 if its node is gone for now;
+- the connection: the edge's connection guard bounds the connections that have not
+  yet sent a request with a good token (per peer address and in all), and how long
+  they may take (:mod:`iop_trio.transport.guard`): such a connection is closed, or
+  refused at once with 503;
+- a wrong or missing token: 401; a caller over its rate or with its most runs open
+  (identities): 429 ``rate_limited`` with ``Retry-After``; a body over the edge's
+  ``max_message_size``: 413; a body not whole within :data:`BODY_TIMEOUT`
+  seconds: 408; not JSON (``NaN`` and ``Infinity`` are not JSON, nor is a number
+  too large for a float), nested deeper than :data:`MAX_DEPTH`, a string that is
+  not Unicode text (a lone surrogate), or a field of the wrong shape or out of
+  range: 400 naming the field (``param``, e.g. ``messages[0].content``); a target
+  the caller may not use or a priority above its own: 403; a target no connected
+  node serves: 404 (``model_not_found``), or 503 if its node is gone for now;
 - the run is refused by the gate (REJECTED ``queue_full`` or ``queue_timeout``):
   429 with ``Retry-After`` (whole seconds, rounded up, from the run's own hint);
   the node is draining, its store cannot write, or it was lost: 503 with
@@ -34,8 +43,10 @@ Edge cases, in the order a request meets them:
 - the run fails once started (the engine fails, the run's time or output bound):
   502 (504 for ``run_timeout``), or in a stream that has begun, an ``error``
   event (which the ``openai`` package raises as ``APIError``) and no ``[DONE]``;
-- the client goes away before the run ends (it closes the connection, or stops
-  reading a stream): the run is cancelled with reason ``client_lost``.
+- the client goes away before the run ends (it closes the connection, or has not
+  read what it was sent for the edge's ``send_timeout``, the bound the proto-socket
+  sets its slow readers): the run is cancelled with reason ``client_lost`` and its
+  slot is free.
 
 Every error body is OpenAI's shape: ``{"error": {"message", "type", "param",
 "code"}}``; ``code`` is a stable name (``model_not_found``,
@@ -52,19 +63,21 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from contextlib import suppress
+from contextlib import ExitStack, suppress
 from typing import Any
 
 import attrs
+import cattrs
 import trio
 
-from ..model import EventKind, InvalidRequest, RunEvent, RunSpec, Usage
+from ..model import EventKind, RunEvent, RunSpec, Usage, field_check
 from ..protocol import pb
-from ..transport.asgi import Receive, Scope, Send, is_http, respond_json
+from ..structure import problems, strict_converter
+from ..transport.asgi import Receive, Scope, Send, is_http, respond_json, serve_asgi
 from ..transport.auth import bearer_token
 from ..transport.caller import RunStream
 from ..transport.session import RemoteError, ReplyTimeout, SessionClosed
-from .edge import NODE_RETRY_AFTER, Edge, Forbidden, NodeGone, NoNode
+from .edge import NODE_RETRY_AFTER, Edge, NoNode, client_refusal
 from .identities import Caller
 
 log = logging.getLogger(__name__)
@@ -81,14 +94,21 @@ OPTION_NAMES: dict[str, dict[str, str]] = {"ollama": {"max_tokens": "num_predict
 FINISH_REASONS = frozenset({"stop", "length", "content_filter", "tool_calls"})
 #: Seconds the edge gives a node to confirm the cancel of a run whose client left.
 CANCEL_TIMEOUT = 5.0
+#: Seconds a request's body may take to arrive, whole.
+BODY_TIMEOUT = 30.0
+#: How deep a request body's JSON may nest (objects and arrays): a run's options cross
+#: the proto-socket as protobuf, which refuses deeper nesting than about 50.
+MAX_DEPTH = 32
 
-#: A node's error code -> (HTTP status, OpenAI error type, our code).
+#: An error code (a node's or the edge's) -> (HTTP status, OpenAI error type, our code).
 ERROR_STATUS: dict[int, tuple[int, str, str]] = {
     pb.ERROR_CODE_INVALID: (400, "invalid_request_error", "invalid_request"),
     pb.ERROR_CODE_UNKNOWN_TARGET: (404, "invalid_request_error", "model_not_found"),
+    pb.ERROR_CODE_UNKNOWN_RUN: (404, "invalid_request_error", "not_found"),
     pb.ERROR_CODE_FORBIDDEN: (403, "permission_error", "forbidden"),
     pb.ERROR_CODE_UNAVAILABLE: (503, "server_error", "unavailable"),
     pb.ERROR_CODE_STORE_UNAVAILABLE: (503, "server_error", "store_unavailable"),
+    pb.ERROR_CODE_RATE_LIMITED: (429, "rate_limit_error", "rate_limited"),
 }
 #: A run's terminal event (not SUCCEEDED) -> (HTTP status, OpenAI error type).
 TERMINAL_STATUS: dict[EventKind, tuple[int, str]] = {
@@ -143,6 +163,13 @@ class DoorError(Exception):
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
         return headers
 
+    @classmethod
+    def refused(cls, code: int, message: str, retry_after: float | None) -> DoorError:
+        """The answer to a request refused with an error ``code`` (:data:`ERROR_STATUS`)."""
+        status, kind, name = ERROR_STATUS.get(code, (502, "server_error", "node_error"))
+        param = "model" if code == pb.ERROR_CODE_UNKNOWN_TARGET else None
+        return cls(status, message, kind=kind, code=name, param=param, retry_after=retry_after)
+
 
 @attrs.frozen
 class ChatRequest:
@@ -156,25 +183,129 @@ class ChatRequest:
     include_usage: bool = False
 
 
-def _text_of(content: object, index: int) -> str:
-    """A message's content as text: a string, or a list of text parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"):
-                raise DoorError(
-                    400, "only text content is supported", param=f"messages[{index}].content"
-                )
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise DoorError(400, "a text part needs text", param=f"messages[{index}].content")
-            parts.append(text)
-        return "".join(parts)
-    raise DoorError(
-        400, "content must be a string or a list of text parts", param=f"messages[{index}]"
-    )
+def _not_empty(value: object) -> str | None:
+    return None if value else "must not be empty"
+
+
+def _only_one(value: object) -> str | None:
+    return None if value == 1 else f"must be 1, not {value!r}"
+
+
+def _priority_range(value: object) -> str | None:
+    ok = isinstance(value, int) and -1000 <= value <= 1000
+    return None if ok else f"must be an integer from -1000 to 1000, not {value!r}"
+
+
+def _text_part(value: object) -> str | None:
+    return None if value == "text" else f"only text content is supported, not {value!r}"
+
+
+@attrs.frozen
+class _TextPart:
+    type: str = attrs.field(validator=field_check(_text_part))
+    text: str
+
+
+@attrs.frozen
+class _Message:
+    role: str
+    content: str | list[_TextPart]
+
+
+@attrs.frozen
+class _StreamOptions:
+    include_usage: bool = False
+
+
+@attrs.frozen
+class _ChatBody:
+    """The fields of a chat completion request that are the request itself (the rest
+    are run options); other keys of a message or of ``stream_options`` are ignored."""
+
+    model: str = attrs.field(validator=field_check(_not_empty))
+    messages: list[_Message] = attrs.field(validator=field_check(_not_empty))
+    stream: bool | None = None
+    stream_options: _StreamOptions | None = None
+    user: str | None = None
+    n: int | None = attrs.field(default=None, validator=field_check(_only_one))
+    priority: int | None = attrs.field(default=None, validator=field_check(_priority_range))
+
+
+def _door_converter() -> cattrs.Converter:
+    conv = strict_converter(forbid_extra_keys=False)
+
+    def content(value: Any, _: type) -> str | list[_TextPart]:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            structured: list[_TextPart] = conv.structure(value, list[_TextPart])
+            return structured
+        raise ValueError(f"must be a string or a list of text parts, not {value!r}")
+
+    base_part = conv.get_structure_hook(_TextPart)
+
+    def text_part(value: Any, _: type) -> _TextPart:
+        # the type first: an image part has no text, and that is not what is wrong with it
+        if isinstance(value, Mapping) and value.get("type") != "text":
+            raise ValueError(f"type: {_text_part(value.get('type'))}")
+        part: _TextPart = base_part(value, _TextPart)
+        return part
+
+    conv.register_structure_hook(_TextPart, text_part)
+    conv.register_structure_hook(str | list[_TextPart], content)
+    return conv
+
+
+_CONVERTER = _door_converter()
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def decode_body(raw: bytes) -> object:
+    """A request body's JSON; DoorError 400 naming the place for anything a run cannot
+    carry: not JSON (``NaN``, ``Infinity`` and numbers too large for a float are not),
+    nested deeper than :data:`MAX_DEPTH`, or a string that is not Unicode text."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise DoorError(400, f"the body is nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as exc:
+        raise DoorError(400, f"the body is not JSON: {exc}") from None
+    _check_json(body)
+    return body
+
+
+def _check_json(body: object) -> None:
+    # iterative, so no depth of nesting can exhaust the stack
+    stack: list[tuple[object, str, int]] = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, dict | list):
+            if depth >= MAX_DEPTH:
+                raise DoorError(400, f"nested deeper than {MAX_DEPTH} levels", param=path or None)
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str):
+                    _check_text(key, path or None)
+                    where = f"{path}.{key}" if path else key
+                else:
+                    where = f"{path}[{key}]"
+                stack.append((item, where, depth + 1))
+        elif isinstance(value, str):
+            _check_text(value, path or None)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise DoorError(400, "a number too large for a float", param=path or None)
+
+
+def _check_text(text: str, param: str | None) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise DoorError(
+            400, "a string that is not Unicode text (a lone surrogate)", param=param
+        ) from None
 
 
 def parse_chat_request(body: object, adapter_kind: str = "") -> ChatRequest:
@@ -185,28 +316,23 @@ def parse_chat_request(body: object, adapter_kind: str = "") -> ChatRequest:
     """
     if not isinstance(body, dict):
         raise DoorError(400, "the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise DoorError(400, "model must name a target", param="model")
-    raw_messages = body.get("messages")
-    if not isinstance(raw_messages, list) or not raw_messages:
-        raise DoorError(400, "messages must be a non-empty list", param="messages")
-    messages = []
-    for index, message in enumerate(raw_messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise DoorError(400, "each message needs a role", param=f"messages[{index}]")
-        messages.append((message["role"], _text_of(message.get("content"), index)))
-    if body.get("n", 1) not in (1, None):
-        raise DoorError(400, "n must be 1", param="n")
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise DoorError(400, "stream must be true or false", param="stream")
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise DoorError(400, "stream_options must be an object", param="stream_options")
-    priority = body.get("priority", 0)
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise DoorError(400, "priority must be an integer", param="priority")
+    try:
+        request = _CONVERTER.structure(
+            {k: v for k, v in body.items() if k in REQUEST_FIELDS and v is not None}, _ChatBody
+        )
+    except Exception as exc:  # cattrs raises class validation groups
+        found = problems(exc)
+        path, problem = found[0] if found else ("", str(exc))
+        raise DoorError(
+            400, f"{path}: {problem}" if path else problem, param=path or None
+        ) from None
+    messages = tuple(
+        (
+            m.role,
+            m.content if isinstance(m.content, str) else "".join(p.text for p in m.content),
+        )
+        for m in request.messages
+    )
     renames: dict[str, str] = OPTION_NAMES.get(adapter_kind, {})
     options: dict[str, Any] = {}
     for key, value in body.items():
@@ -214,13 +340,14 @@ def parse_chat_request(body: object, adapter_kind: str = "") -> ChatRequest:
             continue
         name = FIELD_ALIASES.get(str(key), str(key))
         options[renames.get(name, name)] = value
+    stream_options = request.stream_options
     return ChatRequest(
-        target=model,
-        messages=tuple(messages),
+        target=request.model,
+        messages=messages,
         options=options,
-        priority=priority,
-        stream=stream,
-        include_usage=bool(stream_options.get("include_usage")),
+        priority=request.priority or 0,
+        stream=bool(request.stream),
+        include_usage=stream_options is not None and stream_options.include_usage,
     )
 
 
@@ -301,7 +428,8 @@ class OpenAIFrontDoor:
             raise DoorError(404, f"no route for {path}", code="not_found")
 
     def _caller(self, scope: Scope) -> Caller | None:
-        """Who asks (None: anyone may, no identities), or DoorError 401."""
+        """Who asks (None: anyone may, no identities), or DoorError 401 (429 for a caller
+        over its rate). A good token proves the connection to the edge's guard."""
         who = self.edge.authorize("/client", bearer_token(scope.get("headers") or []))
         if who is None:
             raise DoorError(
@@ -310,27 +438,45 @@ class OpenAIFrontDoor:
                 kind="invalid_request_error",
                 code="invalid_api_key",
             )
-        return who if isinstance(who, Caller) else None
+        client = scope.get("client")
+        self.edge.guard.prove_address(tuple(client) if client else None)
+        caller = who if isinstance(who, Caller) else None
+        self._refuse_on(lambda: self.edge.take_request(caller), "")
+        return caller
+
+    @staticmethod
+    def _refuse_on(action: Any, kind: str) -> Any:
+        """``action()``, or the DoorError for a failure a client can meet
+        (:func:`~iop_trio.edge.edge.client_refusal`)."""
+        try:
+            return action()
+        except Exception as exc:
+            refusal = client_refusal(exc, kind)
+            if refusal is None:
+                raise
+            raise DoorError.refused(refusal.code, refusal.message, refusal.retry_after) from None
 
     async def _body(self, receive: Receive) -> object:
         limit = self.edge.settings.max_message_size
         chunks: list[bytes] = []
         size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise DoorError(413, f"the request is over {limit} bytes", code="too_large")
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                break
-        try:
-            return json.loads(b"".join(chunks))
-        except ValueError as exc:
-            raise DoorError(400, f"the body is not JSON: {exc}") from None
+        with trio.move_on_after(BODY_TIMEOUT) as bounded:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise DoorError(413, f"the request is over {limit} bytes", code="too_large")
+                chunks.append(chunk)
+                if not message.get("more_body"):
+                    break
+        if bounded.cancelled_caught:
+            raise DoorError(
+                408, f"the request body did not arrive within {BODY_TIMEOUT:g}s", code="timeout"
+            )
+        return decode_body(b"".join(chunks))
 
     def _models(self, caller: Caller | None) -> dict[str, dict[str, Any]]:
         models: dict[str, dict[str, Any]] = {}
@@ -360,12 +506,9 @@ class OpenAIFrontDoor:
         request = parse_chat_request(
             body, self._adapter_kind(model if isinstance(model, str) else "")
         )
-        try:
-            tenant, run_id = self.edge.admit(caller, request.target, request.priority, "")
-        except Forbidden as exc:
-            raise DoorError(403, str(exc), kind="permission_error", code="forbidden") from None
-        except InvalidRequest as exc:
-            raise DoorError(400, str(exc)) from None
+        tenant, run_id = self._refuse_on(
+            lambda: self.edge.admit(caller, request.target, request.priority, ""), "run_request"
+        )
         spec = RunSpec(
             request.target,
             messages=request.messages,
@@ -375,13 +518,17 @@ class OpenAIFrontDoor:
             run_id=run_id or None,
         )
         refused: DoorError | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            try:
-                await self._run(spec, request, send)
-            except DoorError as exc:  # raised here, not in the nursery's group
-                refused = exc
-            nursery.cancel_scope.cancel()
+        with ExitStack() as counted:
+            self._refuse_on(
+                lambda: counted.enter_context(self.edge.counting_run(caller)), "run_request"
+            )
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+                try:
+                    await self._run(spec, request, send)
+                except DoorError as exc:  # raised here, not in the nursery's group
+                    refused = exc
+                nursery.cancel_scope.cancel()
         if refused is not None:
             raise refused
 
@@ -397,25 +544,13 @@ class OpenAIFrontDoor:
                 finally:
                     if stream.last is None or not stream.last.kind.terminal:
                         await _cancel_abandoned(self.edge, stream.run_id)
-        except NodeGone as exc:
-            raise DoorError(
-                503, str(exc), kind="server_error", code="unavailable", retry_after=NODE_RETRY_AFTER
-            ) from None
-        except NoNode as exc:
-            raise DoorError(404, str(exc), code="model_not_found", param="model") from None
-        except RemoteError as exc:
-            status, kind, code = ERROR_STATUS.get(exc.code, (502, "server_error", "node_error"))
-            raise DoorError(
-                status, exc.message, kind=kind, code=code, retry_after=exc.retry_after
-            ) from None
-        except (SessionClosed, ReplyTimeout) as exc:
-            raise DoorError(
-                503,
-                f"node lost: {exc}",
-                kind="server_error",
-                code="unavailable",
-                retry_after=NODE_RETRY_AFTER,
-            ) from None
+        except DoorError:
+            raise
+        except Exception as exc:
+            refusal = client_refusal(exc, "run_request")
+            if refusal is None:
+                raise
+            raise DoorError.refused(refusal.code, refusal.message, refusal.retry_after) from None
 
     async def _whole(
         self, stream: RunStream, request: ChatRequest, created: int, send: Send
@@ -526,3 +661,34 @@ async def _cancel_abandoned(edge: Edge, run_id: str) -> None:
             log.info("edge: run %s cancelled: its HTTP client left", run_id)
     if bounded.cancelled_caught:
         log.warning("edge: the node did not confirm the cancel of run %s in time", run_id)
+
+
+async def serve_door(
+    edge: Edge,
+    host: str,
+    port: int,
+    *,
+    shutdown: trio.Event | None = None,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``edge``'s OpenAI-compatible door on ``host:port`` (0: any free port) until
+    cancelled (or ``shutdown``); ``task_status`` gets the port; OSError if it cannot be
+    bound.
+
+    https with the edge's ``ssl_context`` (and so its client certificates, if it asks
+    for them), within the edge's connection guard, and a client that has not read for
+    the edge's ``send_timeout`` is gone. No read timeout: a long stream is not an idle
+    client.
+    """
+    await serve_asgi(
+        OpenAIFrontDoor(edge),
+        host,
+        port,
+        shutdown=shutdown,
+        read_timeout=None,
+        ssl_context=edge.ssl_context,
+        guard=edge.guard,
+        send_timeout=edge.settings.send_timeout,
+        prove_on_request=False,  # the door proves a connection once its token is good
+        task_status=task_status,
+    )

@@ -7,6 +7,10 @@ enough: nobody can guess one back from it.
 
 A file (YAML) names them::
 
+    limits:                       # every caller's, unless it sets its own (optional)
+      requests_per_second: 50     # its requests, all kinds (default 50)
+      burst: 100                  # requests it may make at once (default: 2 x the rate)
+      max_runs: 64                # its runs through this edge at once (default 64)
     callers:
       alice:
         token_sha256: sha256:9f86d08...
@@ -14,6 +18,8 @@ A file (YAML) names them::
         targets: [ollama/llama3]  # the targets she may use (default: all)
         max_priority: 5           # the highest priority she may ask for (default: 0)
         may_set_limits: false
+        requests_per_second: 200  # her own limits, over the defaults above
+        max_runs: 256
     nodes:
       gpu-1:
         token_sha256: sha256:60303ae2...
@@ -21,6 +27,11 @@ A file (YAML) names them::
 A caller's runs get ids of its own (``alice:<id>``): a caller sees, reads,
 follows and cancels only those, and reusing another caller's id names a run of
 its own. A node's token is good for that node id only.
+
+A caller over its rate (a token bucket: ``requests_per_second`` refilled, at most
+``burst`` saved) or with ``max_runs`` runs open through the edge is refused
+``RATE_LIMITED`` (429 at the OpenAI door) with a hint of when to retry, before
+anything is queued or relayed.
 """
 
 from __future__ import annotations
@@ -35,7 +46,7 @@ from typing import Any
 import attrs
 import yaml
 
-from ..model import TENANT_NAME
+from ..model import TENANT_NAME, positive_problem
 
 #: A caller's or a node's name.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -47,6 +58,49 @@ def token_digest(token: str) -> str:
     return "sha256:" + hashlib.sha256(token.encode()).hexdigest()
 
 
+#: The keys of a caller's limits in an identities file.
+LIMIT_KEYS = frozenset({"requests_per_second", "burst", "max_runs"})
+
+
+@attrs.frozen
+class CallerLimits:
+    """How much one caller may ask of the edge: ``requests_per_second`` (refilled) and
+    ``burst`` (saved up; None: twice the rate, at least 1) of requests of any kind, and
+    ``max_runs`` runs open through the edge at once."""
+
+    requests_per_second: float = 50.0
+    burst: float | None = None
+    max_runs: int = 64
+
+    @property
+    def bucket_size(self) -> float:
+        return self.burst if self.burst is not None else max(1.0, 2 * self.requests_per_second)
+
+
+class TokenBucket:
+    """A request rate, sans I/O: ``rate`` tokens a second, at most ``size`` saved up, one
+    taken per request. It starts full."""
+
+    def __init__(self, rate: float, size: float, now: float) -> None:
+        self.rate = rate
+        self.size = size
+        self.tokens = size
+        self.stamp = now
+
+    def __repr__(self) -> str:
+        return f"<TokenBucket {self.tokens:.1f}/{self.size:g} +{self.rate:g}/s>"
+
+    def take(self, now: float) -> float | None:
+        """Take a token: None if there was one, else the seconds until there will be
+        (nothing is taken then)."""
+        self.tokens = min(self.size, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = max(self.stamp, now)
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return None
+        return (1 - self.tokens) / self.rate
+
+
 @attrs.frozen
 class Caller:
     """Someone who sends runs through the edge, and what they may do."""
@@ -56,6 +110,7 @@ class Caller:
     targets: frozenset[str] | None = None  # None: every target
     max_priority: int = 0
     may_set_limits: bool = False
+    limits: CallerLimits = CallerLimits()
 
     @property
     def run_prefix(self) -> str:
@@ -99,13 +154,24 @@ class Identities:
     def from_data(cls, data: Any, *, source: str = "<identities>") -> Identities:
         """Identities from parsed YAML (see the module docstring); IdentityError naming
         ``source`` and the entry for anything wrong."""
-        if not isinstance(data, Mapping) or not set(data) <= {"callers", "nodes"}:
-            raise IdentityError(f"{source}: the top level has callers and nodes, nothing else")
+        if not isinstance(data, Mapping) or not set(data) <= {"callers", "nodes", "limits"}:
+            raise IdentityError(
+                f"{source}: the top level has limits, callers and nodes, nothing else"
+            )
         found = cls()
+        defaults = data.get("limits") or {}
+        if not isinstance(defaults, Mapping) or not set(defaults) <= LIMIT_KEYS:
+            raise IdentityError(
+                f"{source}: limits: a mapping of {', '.join(sorted(LIMIT_KEYS))}, nothing else"
+            )
+        base = _limits(f"{source}: limits", defaults, CallerLimits())
         for name, entry in (data.get("callers") or {}).items():
             where = f"{source}: callers.{name}"
             entry = _entry(
-                where, name, entry, {"tenant", "targets", "max_priority", "may_set_limits"}
+                where,
+                name,
+                entry,
+                {"tenant", "targets", "max_priority", "may_set_limits", *LIMIT_KEYS},
             )
             tenant = entry.get("tenant", name)
             if not isinstance(tenant, str) or not TENANT_NAME.fullmatch(tenant):
@@ -127,6 +193,7 @@ class Identities:
                 None if targets is None else frozenset(targets),
                 priority,
                 may_set,
+                _limits(where, entry, base),
             )
             _add(found.callers, found.nodes, entry["token_sha256"], caller, where)
         for name, entry in (data.get("nodes") or {}).items():
@@ -142,6 +209,23 @@ class Identities:
         except (OSError, yaml.YAMLError) as exc:
             raise IdentityError(f"{path}: {exc}") from None
         return cls.from_data(data, source=str(path))
+
+
+def _limits(where: str, entry: Mapping[str, Any], base: CallerLimits) -> CallerLimits:
+    """``base`` with the limit keys ``entry`` sets; IdentityError naming a bad one."""
+    changes: dict[str, Any] = {}
+    for key in ("requests_per_second", "burst"):
+        if key in entry:
+            problem = positive_problem(entry[key])
+            if problem is not None:
+                raise IdentityError(f"{where}.{key}: {problem}")
+            changes[key] = float(entry[key])
+    if "max_runs" in entry:
+        value = entry["max_runs"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise IdentityError(f"{where}.max_runs: must be an integer >= 1, not {value!r}")
+        changes["max_runs"] = value
+    return attrs.evolve(base, **changes)
 
 
 def _find(table: Mapping[str, Any], token: str) -> Any:

@@ -120,13 +120,17 @@ class Request:
     """A request from the peer that this side serves; answer it with ``reply_to=nonce``.
 
     ``size`` is the frame's length in bytes; ``stream`` says whether it opens a
-    stream of replies (:func:`opens_stream`).
+    stream of replies (:func:`opens_stream`). ``answer_within`` is the peer's bound, in
+    seconds from when it sent the request, on the wait for its first answer (0: none):
+    past it, the peer has given up, so a request not yet being handled is answered
+    UNAVAILABLE and never handled.
     """
 
     nonce: int
     kind: str
     message: Message
     size: int = attrs.field(default=0, eq=False)
+    answer_within: float = attrs.field(default=0.0, eq=False)
 
     @property
     def stream(self) -> bool:
@@ -224,17 +228,24 @@ class ProtoConnection(Generic[W]):
             if nonce not in self._pending:
                 return nonce
 
-    def request(self, kind: str, message: Message, waiter: W | None = None) -> tuple[int, bytes]:
+    def request(
+        self,
+        kind: str,
+        message: Message,
+        waiter: W | None = None,
+        *,
+        answer_within: float = 0.0,
+    ) -> tuple[int, bytes]:
         """A new request; returns its nonce and the frame.
 
         ``run_request`` and ``get_run`` with ``follow`` open a stream of
         replies; every other request expects one reply. Each reply carries
-        ``waiter``.
+        ``waiter``. ``answer_within`` (seconds, 0: none): see :class:`Request`.
         """
         if kind not in ANSWERS:
             raise ValueError(f"{kind!r} is not a request")
         nonce = self._allocate_nonce()
-        envelope = pb.Envelope(nonce=nonce)
+        envelope = pb.Envelope(nonce=nonce, answer_within_s=max(0.0, answer_within))
         getattr(envelope, kind).CopyFrom(message)
         frame = encode(envelope)
         self._pending[nonce] = _Pending(kind, opens_stream(kind, message), waiter)
@@ -282,7 +293,10 @@ class ProtoConnection(Generic[W]):
                 )
             if envelope.nonce == 0:
                 raise ProtocolError(pb.ERROR_CODE_MALFORMED, f"{kind!r} request without a nonce")
-            return Request(envelope.nonce, kind, message, len(data))
+            within = envelope.answer_within_s
+            # a bound that is no number, or none, is no bound: the old peers send 0
+            within = within if 0 < within < float("inf") else 0.0
+            return Request(envelope.nonce, kind, message, len(data), within)
         return self._answer(envelope.reply_to, kind, message)
 
     def _answer(self, reply_to: int, kind: str, message: Message) -> Reply[W] | StaleReply:

@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from functools import partial
 from typing import Any
 
 import trio
+from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config
-from hypercorn.trio import serve
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ConnectionState
 
-from .server import lone_error
+from .guard import REFUSAL, ConnectionGuard, open_guarded_listeners
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -76,16 +81,6 @@ async def is_http(scope: Scope, receive: Receive, send: Send) -> bool:
     return bool(scope["type"] == "http")
 
 
-class _PortStatus:
-    """Hands the port of hypercorn's first bind (``http://host:port``) to ``task_status``."""
-
-    def __init__(self, task_status: trio.TaskStatus[int]) -> None:
-        self._task_status = task_status
-
-    def started(self, binds: list[str]) -> None:
-        self._task_status.started(int(binds[0].rpartition(":")[2]))
-
-
 async def serve_asgi(
     app: ASGIApp,
     host: str,
@@ -93,44 +88,77 @@ async def serve_asgi(
     *,
     shutdown: trio.Event | None = None,
     read_timeout: float | None = IDLE_TIMEOUT,
-    cert_file: str | None = None,
-    key_file: str | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+    guard: ConnectionGuard | None = None,
+    send_timeout: float | None = None,
+    prove_on_request: bool = True,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` on ``host:port`` (0 = any free port) with hypercorn; ``task_status``
-    gets the bound port. Raises OSError itself (not in a group) if the address cannot
-    be bound.
+    """Serve ``app`` on ``host:port`` (0 = any free port) with hypercorn's HTTP/1.1
+    protocol; ``task_status`` gets the bound port. Raises OSError itself (not in a
+    group) if the address cannot be bound.
 
-    Returns once ``shutdown`` is set and the server has stopped: idle connections are
-    closed at once, requests in progress get :data:`GRACEFUL_TIMEOUT` seconds.
+    Returns once ``shutdown`` is set and the server has stopped: it stops accepting,
+    idle connections are closed at once, requests in progress get
+    :data:`GRACEFUL_TIMEOUT` seconds.
 
     ``read_timeout``: a connection whose client sends nothing for that long is closed,
     even while its response is still being sent (hypercorn reads all the time), so an
-    app that streams long responses passes None; idle keep-alive connections are
-    closed after :data:`IDLE_TIMEOUT` all the same.
+    app that streams long responses passes None. A connection that has not sent a
+    whole request head within :data:`IDLE_TIMEOUT` (or the guard's handshake deadline,
+    whichever comes first) is closed, and so is an idle keep-alive connection.
 
-    ``cert_file`` (and ``key_file`` if the key is not in it): serve https.
+    ``ssl_context``: serve https with it (it may require client certificates).
+
+    ``guard`` (a fresh :class:`~.guard.ConnectionGuard` if None) bounds the
+    connections: a connection is proven once a whole request head has come
+    (``prove_on_request``), or, if false, once the app says so
+    (``guard.prove_address(scope["client"])``, say when its token is good); until then
+    the guard's bounds on unproven connections and its handshake deadline apply.
+    ``send_timeout`` (None: no bound) breaks a connection whose client has not read a
+    response's bytes for that long, which the app sees as ``http.disconnect``.
+
+    hypercorn's own serving loop opens its sockets itself, so this one opens them,
+    guarded (:mod:`.guard`), and hands each connection to hypercorn's ``TCPServer``.
     """
     config = Config()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")  # our handlers, not its own
     config.graceful_timeout = GRACEFUL_TIMEOUT
     config.keep_alive_timeout = IDLE_TIMEOUT
     config.read_timeout = None if read_timeout is None else int(read_timeout)
     config.h11_max_incomplete_size = MAX_HEADER_SIZE
-    config.certfile = cert_file
-    config.keyfile = key_file
-    try:
-        await serve(
-            app,  # type: ignore[arg-type]
-            config,
-            shutdown_trigger=shutdown.wait if shutdown is not None else None,
-            task_status=_PortStatus(task_status),  # type: ignore[arg-type]
-            mode="asgi",
-        )
-    except BaseExceptionGroup as group:  # hypercorn binds inside its nurseries
-        error = lone_error(group)
-        if isinstance(error, OSError):
-            raise error from None
-        raise
+    guard = guard or ConnectionGuard()
+    guarded = await open_guarded_listeners(
+        port,
+        host,
+        guard,
+        refusal=REFUSAL if ssl_context is None else None,
+        send_timeout=send_timeout,
+    )
+    listeners: list[trio.abc.Listener[Any]] = list(guarded)
+    if ssl_context is not None:
+        listeners = [trio.SSLListener(g, ssl_context, https_compatible=True) for g in guarded]
+    context = WorkerContext(None)
+    served = app
+    if prove_on_request:
+
+        async def served(scope: Scope, receive: Receive, send: Send) -> None:
+            client = scope.get("client")
+            if client:
+                guard.prove_address(tuple(client))
+            await app(scope, receive, send)
+
+    handler = partial(TCPServer, ASGIWrapper(served), config, context, ConnectionState({}))  # type: ignore[arg-type]
+    async with trio.open_nursery() as connections:
+        async with trio.open_nursery() as accepting:
+            await accepting.start(
+                partial(trio.serve_listeners, handler, listeners, handler_nursery=connections)
+            )
+            task_status.started(guarded[0].socket.getsockname()[1])
+            if shutdown is None:
+                await trio.sleep_forever()
+            await shutdown.wait()
+            accepting.cancel_scope.cancel()
+        await context.terminated.set()  # idle keep-alive connections close at once
+        connections.cancel_scope.deadline = trio.current_time() + GRACEFUL_TIMEOUT

@@ -66,6 +66,18 @@ class RunStream:
 
 #: Seconds a caller waits for the first answer to a request by default.
 ACK_TIMEOUT = 30.0
+#: Seconds of a caller's ``ack_timeout`` kept back, at least, from the bound it gives
+#: its peer (``answer_within``), so that the peer's refusal reaches it before it gives up.
+ANSWER_MARGIN = 2.0
+
+
+def answer_within_for(ack_timeout: float | None) -> float:
+    """The bound a caller that waits ``ack_timeout`` seconds gives its peer: that, less
+    a fifth of it or :data:`ANSWER_MARGIN` (whichever is more), and at least half of it;
+    0 (no bound) for None. For the default 30 s: 24 s."""
+    if ack_timeout is None or not ack_timeout > 0:
+        return 0.0
+    return max(ack_timeout / 2, ack_timeout - max(ANSWER_MARGIN, ack_timeout / 5))
 
 
 class RunnerClient:
@@ -75,6 +87,10 @@ class RunnerClient:
     within ``ack_timeout`` seconds, and a run's event stream raises it if no
     event comes for ``idle_timeout`` seconds (None, the default, waits as long
     as the run does: a run may wait in the queue and the engine for long).
+    Each request tells the peer when its caller gives up
+    (:func:`answer_within_for` ``ack_timeout``), so a request the peer cannot begin
+    to handle in time is answered UNAVAILABLE, not left to time out, and no run is
+    made for a caller who is gone.
     """
 
     def __init__(
@@ -91,19 +107,50 @@ class RunnerClient:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.session!r}>"
 
-    async def _call(self, kind: str, message: Message) -> Message:
-        return await self.session.request(kind, message, ack_timeout=self.ack_timeout)
+    def _bounds(
+        self, ack_timeout: float | None, answer_within: float | None
+    ) -> tuple[float | None, float]:
+        ack = self.ack_timeout
+        if ack_timeout is not None:
+            ack = ack_timeout if ack is None else min(ack, ack_timeout)
+        within = answer_within_for(ack) if answer_within is None else answer_within
+        return ack, within
 
-    def _stream(self, kind: str, message: Message) -> AbstractAsyncContextManager[ReplyStream]:
+    async def call(
+        self,
+        kind: str,
+        message: Message,
+        *,
+        ack_timeout: float | None = None,
+        answer_within: float | None = None,
+    ) -> Message:
+        """Send any request and return its (first) answer. ``ack_timeout`` (seconds)
+        shortens this client's own; ``answer_within`` is the bound the peer is given
+        (None: :func:`answer_within_for` the ack timeout). Raises as
+        :meth:`ProtoSession.request` does."""
+        ack, within = self._bounds(ack_timeout, answer_within)
+        return await self.session.request(kind, message, ack_timeout=ack, answer_within=within)
+
+    def request_stream(
+        self,
+        kind: str,
+        message: Message,
+        *,
+        ack_timeout: float | None = None,
+        answer_within: float | None = None,
+    ) -> AbstractAsyncContextManager[ReplyStream]:
+        """Send any request and yield the stream of its replies (:meth:`ProtoSession.stream`),
+        with the bounds of :meth:`call` and this client's ``idle_timeout``."""
+        ack, within = self._bounds(ack_timeout, answer_within)
         return self.session.stream(
-            kind, message, ack_timeout=self.ack_timeout, idle_timeout=self.idle_timeout
+            kind, message, ack_timeout=ack, idle_timeout=self.idle_timeout, answer_within=within
         )
 
     @asynccontextmanager
     async def run(self, spec: RunSpec) -> AsyncIterator[RunStream]:
         """Submit ``spec`` and stream its events; leaving the block stops listening
         (the run itself goes on unless cancelled)."""
-        async with self._stream("run_request", request_from_spec(spec)) as replies:
+        async with self.request_stream("run_request", request_from_spec(spec)) as replies:
             accepted = await replies.first()
             assert isinstance(accepted, pb.RunAccepted)
             yield RunStream(replies, accepted.run_id, existing=accepted.existing)
@@ -114,14 +161,14 @@ class RunnerClient:
             return stream.run_id
 
     async def cancel(self, run_id: str, reason: str = "") -> pb.CancelResult:
-        result = await self._call("cancel_run", pb.CancelRun(run_id=run_id, reason=reason))
+        result = await self.call("cancel_run", pb.CancelRun(run_id=run_id, reason=reason))
         assert isinstance(result, pb.CancelResult)
         return result
 
     async def get_run(
         self, run_id: str, *, include_events: bool = False, after_seq: int = 0
     ) -> pb.RunInfo:
-        info = await self._call(
+        info = await self.call(
             "get_run",
             pb.GetRun(run_id=run_id, include_events=include_events, after_seq=after_seq),
         )
@@ -132,7 +179,7 @@ class RunnerClient:
     async def follow(self, run_id: str, *, after_seq: int = 0) -> AsyncIterator[RunStream]:
         """Every event of ``run_id`` after ``after_seq``, to the terminal one, live or stored."""
         request = pb.GetRun(run_id=run_id, include_events=True, after_seq=after_seq, follow=True)
-        async with self._stream("get_run", request) as replies:
+        async with self.request_stream("get_run", request) as replies:
             info = await replies.first()
             assert isinstance(info, pb.RunInfo)
             yield _Followed(self, replies, info)
@@ -151,7 +198,7 @@ class RunnerClient:
         )
         if tenant is not None:
             request.tenant = tenant
-        reply = await self._call("list_runs", request)
+        reply = await self.call("list_runs", request)
         assert isinstance(reply, pb.RunList)
         return list(reply.runs)
 
@@ -181,14 +228,14 @@ class RunnerClient:
             request.max_queued = max_queued
         if queue_timeout is not None:
             request.queue_timeout_s = queue_timeout
-        reply = await self._call("set_limits", request)
+        reply = await self.call("set_limits", request)
         assert isinstance(reply, pb.Limits)
         return reply
 
     async def ping(self) -> float:
         """Round trip time in seconds."""
         start = trio.current_time()
-        await self._call("ping", pb.Ping(time=start))
+        await self.call("ping", pb.Ping(time=start))
         return trio.current_time() - start
 
 

@@ -23,12 +23,15 @@ from ..protocol.convert import (
 )
 from ..runtime import Node
 from ..store import StoreUnavailable
-from .session import ProtoSession
+from .session import ProtoSession, TooLate
 
 log = logging.getLogger(__name__)
 
 MAX_EVENTS_PER_INFO = 1000
 MAX_LIST = 1000
+#: The least time (seconds) a run request's sender must still wait for its answer for
+#: the node to begin it (make its run): less, and it would be answered too late.
+MIN_TIME_LEFT = 0.25
 
 #: The error code each expected failure of a request is answered with.
 ERROR_CODES: Mapping[type[Exception], pb.ErrorCode] = {
@@ -37,6 +40,7 @@ ERROR_CODES: Mapping[type[Exception], pb.ErrorCode] = {
     InvalidRequest: pb.ERROR_CODE_INVALID,
     NodeUnavailable: pb.ERROR_CODE_UNAVAILABLE,
     StoreUnavailable: pb.ERROR_CODE_STORE_UNAVAILABLE,
+    TooLate: pb.ERROR_CODE_UNAVAILABLE,
 }
 
 #: The retry hint (seconds) of the failures that pass: a draining node, a store that
@@ -44,6 +48,7 @@ ERROR_CODES: Mapping[type[Exception], pb.ErrorCode] = {
 RETRY_AFTER: Mapping[type[Exception], float] = {
     NodeUnavailable: 5.0,
     StoreUnavailable: 5.0,
+    TooLate: 1.0,
 }
 
 
@@ -78,6 +83,12 @@ class RunService:
         self, session: ProtoSession, nonce: int, message: pb.RunRequest
     ) -> None:
         spec = spec_from_request(message)
+        left = session.time_left(nonce)
+        if left < MIN_TIME_LEFT:
+            # its sender gives up first: no run for nobody
+            raise TooLate(
+                f"the run request's sender gives up in {max(left, 0):.2f}s: not begun; retry later"
+            )
         submitted = await self.node.manager.submit(spec, owner=session.key)
         record = submitted.record
         await session.reply(

@@ -2,7 +2,8 @@
 
 Each connection runs in its own handler; whatever a handler raises is logged
 and ends that connection only, never the server (trio-websocket would
-otherwise let it crash the listener's nursery).
+otherwise let it crash the listener's nursery). A :class:`~.guard.ConnectionGuard`
+bounds the connections and how long they may take to authenticate.
 """
 
 from __future__ import annotations
@@ -15,9 +16,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
+from trio_websocket import (
+    ConnectionClosed,
+    WebSocketConnection,
+    WebSocketRequest,
+    wrap_server_stream,
+)
 
 from .auth import bearer_token
+from .guard import REFUSAL, ConnectionGuard, GuardedStream, open_guarded_listeners
 from .session import DEFAULT_MAX_MESSAGE_SIZE
 
 log = logging.getLogger(__name__)
@@ -49,6 +56,10 @@ def shared_token(token: str | None) -> Authorize:
     return authorize
 
 
+#: Seconds a connection gets to finish its closing handshake once its handler is done.
+DISCONNECT_TIMEOUT = 5.0
+
+
 async def serve_proto(
     routes: Mapping[str, ConnectionHandler],
     host: str,
@@ -57,6 +68,7 @@ async def serve_proto(
     authorize: Authorize,
     ssl_context: ssl.SSLContext | None = None,
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+    guard: ConnectionGuard | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``routes`` (path -> handler) until cancelled; ``task_status`` gets the port.
@@ -65,47 +77,88 @@ async def serve_proto(
     before the WebSocket opens; an unknown path 404. The handler gets who
     ``authorize`` said the connection is. OSError (not in a group) if the port
     cannot be bound.
-    """
 
-    async def on_request(request: WebSocketRequest) -> None:
-        path = urlsplit(request.path).path or "/"
+    ``guard`` (a default one if None) bounds the connections (:mod:`.guard`): a
+    connection is proven once its WebSocket is open with a token ``authorize`` took,
+    so the TLS handshake, the upgrade request and the token check all fall within its
+    handshake deadline and its bounds on connections that wait to authenticate.
+    """
+    guard = guard or ConnectionGuard()
+    listeners = await open_guarded_listeners(
+        port, host, guard, refusal=REFUSAL if ssl_context is None else None
+    )
+
+    async def on_stream(stream: GuardedStream) -> None:
+        ticket = stream.ticket
+        transport: trio.abc.Stream = stream
         try:
-            handler = routes.get(path)
-            if handler is None:
-                await request.reject(404, body=f"no proto-socket at {path}\n".encode())
-                return
-            who = authorize(path, bearer_token(request.headers))
-            if who is None:
-                log.warning("refused a connection to %s: bad or missing bearer token", path)
-                await request.reject(
-                    401,
-                    extra_headers=[(b"WWW-Authenticate", b"Bearer")],
-                    body=b"bad or missing bearer token\n",
+            if ssl_context is not None:
+                transport = tls = trio.SSLStream(stream, ssl_context, server_side=True)
+                try:
+                    await tls.do_handshake()
+                except trio.BrokenResourceError as failed:
+                    cause = failed.__cause__
+                    why = cause if isinstance(cause, ssl.SSLError) else ticket.dropped or failed
+                    level = logging.DEBUG if ticket.dropped else logging.INFO
+                    log.log(level, "refused a TLS connection from %s: %s", ticket.peer, why)
+                    return
+            async with trio.open_nursery() as nursery:
+                request = await wrap_server_stream(
+                    nursery, transport, max_message_size=max_message_size
                 )
-                return
-            ws = await request.accept()
-            await handler(ws, who)
-        except ConnectionClosed:
-            pass
-        except Exception:
-            log.exception("connection handler for %s failed", path)
+                accepted = await _open(request, routes, authorize)
+                if accepted is not None:
+                    ws, handler, who = accepted
+                    guard.prove(ticket)
+                    try:
+                        await handler(ws, who)
+                    finally:
+                        with trio.move_on_after(DISCONNECT_TIMEOUT):
+                            await ws.aclose()
+                nursery.cancel_scope.cancel()
+        except Exception as raised:
+            error = lone_error(raised)
+            if not isinstance(
+                error, ConnectionClosed | trio.BrokenResourceError | trio.ClosedResourceError
+            ):
+                log.exception("connection from %s failed", ticket.peer)
+            elif ticket.dropped:
+                log.debug("connection from %s: %s", ticket.peer, ticket.dropped)
+            else:
+                log.debug("connection from %s ended: %s", ticket.peer, error)
+        finally:
+            guard.release(ticket)
+            await trio.aclose_forcefully(transport)
 
     try:
         async with trio.open_nursery() as nursery:
-            server = await nursery.start(
-                lambda task_status: serve_websocket(
-                    on_request,
-                    host,
-                    port,
-                    ssl_context=ssl_context,
-                    max_message_size=max_message_size,
-                    task_status=task_status,
-                )
-            )
-            task_status.started(server.port)
+            await nursery.start(trio.serve_listeners, on_stream, listeners)
+            task_status.started(listeners[0].socket.getsockname()[1])
     except BaseExceptionGroup as group:
         # a port that cannot be bound is the caller's to report, as itself
         error = lone_error(group)
         if isinstance(error, OSError):
             raise error from None
         raise
+
+
+async def _open(
+    request: WebSocketRequest, routes: Mapping[str, ConnectionHandler], authorize: Authorize
+) -> tuple[WebSocketConnection, ConnectionHandler, object] | None:
+    """The WebSocket ``request`` opens, its handler and who it is; None if it was refused
+    (404 for an unknown path, 401 for a token ``authorize`` refuses)."""
+    path = urlsplit(request.path).path or "/"
+    handler = routes.get(path)
+    if handler is None:
+        await request.reject(404, body=f"no proto-socket at {path}\n".encode())
+        return None
+    who = authorize(path, bearer_token(request.headers))
+    if who is None:
+        log.warning("refused a connection to %s: bad or missing bearer token", path)
+        await request.reject(
+            401,
+            extra_headers=[(b"WWW-Authenticate", b"Bearer")],
+            body=b"bad or missing bearer token\n",
+        )
+        return None
+    return await request.accept(), handler, who

@@ -27,7 +27,14 @@ kinds of task, all ending with the session:
   beyond that a request is answered UNAVAILABLE at once. A handler's slot
   is freed by its first reply, so a stream that goes on for a run's whole
   life holds no slot, and calls (cancel, get, list, set limits) are never
-  queued behind runs.
+  queued behind runs. A request that says how long its sender waits for an
+  answer (``answer_within``) and is still waiting when that has passed is
+  answered UNAVAILABLE then, and never handled: its sender has given up, so
+  no work is done for nobody. A handler asks :meth:`ProtoSession.time_left`
+  how long its request's sender still waits.
+
+A ``gatekeeper`` may refuse a request before it is queued (a caller over its
+rate, say): its :class:`Refusal` is the answer, at once.
 
 Every request gets exactly one first answer. Nothing a peer sends can make
 ``run`` raise: it returns the reason the session ended.
@@ -36,6 +43,7 @@ Every request gets exactly one first answer. Nothing a peer sends can make
 from __future__ import annotations
 
 import collections
+import heapq
 import itertools
 import logging
 import math
@@ -54,6 +62,20 @@ log = logging.getLogger(__name__)
 
 RequestHandler = Callable[["ProtoSession", Request], Awaitable[None]]
 
+
+@attrs.frozen
+class Refusal:
+    """A request's answer when a gatekeeper turns it away: an error code, a message and
+    a retry hint in seconds (None: none)."""
+
+    code: int
+    message: str
+    retry_after: float | None = None
+
+
+#: Says whether a request may be queued: None, or the Refusal that answers it at once.
+Gatekeeper = Callable[[Request], Refusal | None]
+
 DEFAULT_MAX_MESSAGE_SIZE = 4 * 1024 * 1024
 STREAM_BUFFER = 10_000
 #: The close code of a session whose peer does not read what it is sent (policy violation).
@@ -67,6 +89,11 @@ class SessionClosed(Exception):
 
 class ReplyTimeout(Exception):
     """The peer did not answer (or did not go on with a stream) in time."""
+
+
+class TooLate(Exception):
+    """The sender of a request gives up (its ``answer_within``) before an answer could
+    reach it, so the request is not begun: answered UNAVAILABLE."""
 
 
 class RemoteError(Exception):
@@ -108,12 +135,26 @@ class SessionSettings:
 
 @attrs.define(eq=False)
 class _RequestClass:
-    """The requests of one class on a session: handled and unanswered, and waiting."""
+    """The requests of one class on a session: handled and unanswered, and waiting (by
+    nonce, oldest first)."""
 
     name: str
     active: int = 0
-    waiting: collections.deque[Request] = attrs.field(factory=collections.deque)
+    waiting: dict[int, Request] = attrs.field(factory=dict)
     waiting_bytes: int = 0
+
+    def take(self, nonce: int) -> Request | None:
+        """Take ``nonce`` out of the waiting ones (None if it is not waiting)."""
+        request = self.waiting.pop(nonce, None)
+        if request is not None:
+            self.waiting_bytes -= request.size
+        return request
+
+    def next(self) -> Request:
+        """Take the oldest waiting request."""
+        request = self.waiting.pop(next(iter(self.waiting)))
+        self.waiting_bytes -= request.size
+        return request
 
 
 class ReplyStream:
@@ -132,10 +173,13 @@ class ReplyStream:
         *,
         ack_timeout: float | None = None,
         idle_timeout: float | None = None,
+        answer_within: float = 0.0,
     ) -> None:
         self._session = session
         self.kind = kind
-        self.nonce, self.frame = session._conn.request(kind, message, self)
+        self.nonce, self.frame = session._conn.request(
+            kind, message, self, answer_within=answer_within
+        )
         self._send, self._receive = trio.open_memory_channel[Reply[ReplyStream] | BaseException](
             STREAM_BUFFER
         )
@@ -239,8 +283,10 @@ class ProtoSession:
         handler: RequestHandler | None = None,
         settings: SessionSettings | None = None,
         name: str = "",
+        gatekeeper: Gatekeeper | None = None,
     ) -> None:
         self.ws = ws
+        self.gatekeeper = gatekeeper
         self.key = f"s{next(_session_ids)}"
         self.name = name or self.key
         self.settings = settings or SessionSettings()
@@ -250,6 +296,12 @@ class ProtoSession:
         self._unanswered: dict[int, _RequestClass] = {}
         self._calls = _RequestClass("call")
         self._streams = _RequestClass("stream")
+        # when the senders of the peer's requests give up on them (trio time), by nonce,
+        # and the waiting requests' bounds as a heap of (when, nonce)
+        self._give_up_at: dict[int, float] = {}
+        self._bounds: list[tuple[float, int]] = []
+        self._bounds_lot = trio.lowlevel.ParkingLot()
+        self.expired = 0  # requests answered UNAVAILABLE because their sender gave up
         # frames for the writer, and what wakes it / the senders waiting for room
         self._outbox: collections.deque[bytes] = collections.deque()
         self._outbox_bytes = 0
@@ -298,6 +350,7 @@ class ProtoSession:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._writer)
+                nursery.start_soon(self._expire_waiting)
                 if self.settings.ping_interval > 0:
                     nursery.start_soon(self._heartbeat)
                 self.started.set()
@@ -383,17 +436,37 @@ class ProtoSession:
         if self._handler is None:
             self._refuse(request, "this side serves no requests")
             return
+        if self.gatekeeper is not None:
+            refusal = self.gatekeeper(request)
+            if refusal is not None:
+                self._send_now(
+                    self._conn.error(
+                        request.nonce,
+                        refusal.code,
+                        refusal.message,
+                        retry_after=refusal.retry_after,
+                    )
+                )
+                return
         cls = self._streams if request.stream else self._calls
         settings = self.settings
+        if request.answer_within > 0:
+            self._give_up_at[request.nonce] = trio.current_time() + request.answer_within
         if cls.active < settings.max_in_flight and not cls.waiting:
             self._start(cls, request)
         elif (
             len(cls.waiting) < settings.max_pending
             and cls.waiting_bytes + request.size <= settings.max_pending_bytes
         ):
-            cls.waiting.append(request)
+            cls.waiting[request.nonce] = request
             cls.waiting_bytes += request.size
+            when = self._give_up_at.get(request.nonce)
+            if when is not None:
+                heapq.heappush(self._bounds, (when, request.nonce))
+                if self._bounds[0][1] == request.nonce:
+                    self._bounds_lot.unpark()
         else:
+            self._give_up_at.pop(request.nonce, None)
             self.refused += 1
             self._refuse(
                 request,
@@ -416,14 +489,46 @@ class ProtoSession:
 
     def _answered(self, nonce: int) -> None:
         """``nonce`` has its first answer: free its slot for the next waiting request."""
+        self._give_up_at.pop(nonce, None)
         cls = self._unanswered.pop(nonce, None)
         if cls is None:
             return
         cls.active -= 1
         if cls.waiting and cls.active < self.settings.max_in_flight and not self._closed:
-            request = cls.waiting.popleft()
-            cls.waiting_bytes -= request.size
-            self._start(cls, request)
+            self._start(cls, cls.next())
+
+    def time_left(self, nonce: int) -> float:
+        """Seconds until the sender of the peer's request ``nonce`` gives up on its first
+        answer (``math.inf`` if it set no bound, or it has its answer); may be < 0."""
+        when = self._give_up_at.get(nonce)
+        return math.inf if when is None else when - trio.current_time()
+
+    async def _expire_waiting(self) -> None:
+        """Answer each waiting request whose sender has given up UNAVAILABLE, then: it is
+        never handled (its bound, :attr:`Request.answer_within`, has passed)."""
+        while True:
+            while not self._bounds:
+                await self._bounds_lot.park()
+            when, nonce = self._bounds[0]
+            if when > trio.current_time():
+                with trio.move_on_at(when):
+                    await self._bounds_lot.park()  # or an earlier bound came
+                continue
+            heapq.heappop(self._bounds)
+            if self._give_up_at.get(nonce) != when:
+                continue  # answered already (or a nonce the peer used again)
+            for cls in (self._streams, self._calls):
+                request = cls.take(nonce)
+                if request is not None:
+                    self._give_up_at.pop(nonce, None)
+                    self.expired += 1
+                    self._refuse(
+                        request,
+                        f"{request.kind} waited {request.answer_within:g}s for one of the "
+                        f"{self.settings.max_in_flight} handlers of its class here "
+                        f"({len(cls.waiting)} more wait), and its sender has given up; "
+                        "it was not handled: retry later",
+                    )
 
     async def _handle(self, request: Request) -> None:
         handler = self._handler
@@ -621,16 +726,27 @@ class ProtoSession:
         *,
         ack_timeout: float | None = None,
         idle_timeout: float | None = None,
+        answer_within: float = 0.0,
     ) -> ReplyStream:
         """Register a request and return the stream its replies will arrive on.
 
         The caller sends ``stream.frame`` itself; :meth:`stream` and
         :meth:`request` do both. The timeouts bound the wait for the first
         reply and between later ones (see :meth:`ReplyStream.__anext__`).
+        ``answer_within`` (seconds, 0: none) tells the peer when we give up on the
+        first reply (:attr:`Request.answer_within`): give less than ``ack_timeout``,
+        so that its refusal reaches us in time.
         """
         if self._closed:
             raise SessionClosed(f"session {self.name} is closed")
-        return ReplyStream(self, kind, message, ack_timeout=ack_timeout, idle_timeout=idle_timeout)
+        return ReplyStream(
+            self,
+            kind,
+            message,
+            ack_timeout=ack_timeout,
+            idle_timeout=idle_timeout,
+            answer_within=answer_within,
+        )
 
     @asynccontextmanager
     async def stream(
@@ -640,10 +756,15 @@ class ProtoSession:
         *,
         ack_timeout: float | None = None,
         idle_timeout: float | None = None,
+        answer_within: float = 0.0,
     ) -> AsyncIterator[ReplyStream]:
         """Send a request and yield its reply stream; leaving stops listening."""
         stream = self.open_request(
-            kind, message, ack_timeout=ack_timeout, idle_timeout=idle_timeout
+            kind,
+            message,
+            ack_timeout=ack_timeout,
+            idle_timeout=idle_timeout,
+            answer_within=answer_within,
         )
         try:
             await self._send(stream.frame)
@@ -652,13 +773,20 @@ class ProtoSession:
             stream.close()
 
     async def request(
-        self, kind: str, message: Message, *, ack_timeout: float | None = None
+        self,
+        kind: str,
+        message: Message,
+        *,
+        ack_timeout: float | None = None,
+        answer_within: float = 0.0,
     ) -> Message:
         """Send a request and return its (first) answer.
 
         Raises RemoteError for an Error answer, SessionClosed if the session
         ends first and ReplyTimeout if no answer comes within ``ack_timeout``
-        seconds (None: no bound).
+        seconds (None: no bound). ``answer_within``: see :meth:`open_request`.
         """
-        async with self.stream(kind, message, ack_timeout=ack_timeout) as replies:
+        async with self.stream(
+            kind, message, ack_timeout=ack_timeout, answer_within=answer_within
+        ) as replies:
             return await replies.first()

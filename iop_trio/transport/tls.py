@@ -140,7 +140,15 @@ async def check_tls(url: str, context: ssl.SSLContext | None) -> None:
         if isinstance(cause, ssl.SSLCertVerificationError):
             raise TLSFailed(f"certificate verify failed: {cause.verify_message}") from None
         if isinstance(cause, ssl.SSLError):
-            raise TLSFailed(f"TLS handshake failed: {cause.reason or cause}") from None
+            reason = cause.reason or str(cause)
+            if "EOF" in reason.upper():
+                # a server that refuses the client's certificate (or its lack of one) may
+                # just hang up
+                raise TLSFailed(
+                    f"TLS handshake failed: the server closed the connection ({reason}): "
+                    "does it require a client certificate, or not trust this one?"
+                ) from None
+            raise TLSFailed(f"TLS handshake failed: {reason}") from None
         raise
     finally:
         await trio.aclose_forcefully(stream)

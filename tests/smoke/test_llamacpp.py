@@ -272,26 +272,19 @@ async def test_the_probe_finds_the_model_the_engine_serves(llama_server):
 
 async def test_the_openai_front_door_over_the_real_engine(llama_server):
     """The official openai client, through the edge's front door and a node, to llama.cpp."""
-    import functools
 
     import openai
 
     from iop_trio.edge import Edge
-    from iop_trio.edge.front_door import OpenAIFrontDoor
+    from iop_trio.edge.front_door import serve_door
     from iop_trio.transport import NodeLink
-    from iop_trio.transport.asgi import serve_asgi
 
     node = make_node(llama_server)
     edge = Edge(token="smoke")
     with trio.fail_after(RUN_TIMEOUT):
         async with trio.open_nursery() as nursery:
             await nursery.start(edge.serve)
-            port = await nursery.start(
-                functools.partial(serve_asgi, read_timeout=None),
-                OpenAIFrontDoor(edge),
-                "127.0.0.1",
-                0,
-            )
+            port = await nursery.start(serve_door, edge, "127.0.0.1", 0)
             async with node.running():
                 link = NodeLink(node, edge.node_url, token="smoke")
                 nursery.start_soon(link.run)

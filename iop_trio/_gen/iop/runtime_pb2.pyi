@@ -43,6 +43,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
     ERROR_CODE_STORE_UNAVAILABLE: _ClassVar[ErrorCode]
     ERROR_CODE_FORBIDDEN: _ClassVar[ErrorCode]
+    ERROR_CODE_RATE_LIMITED: _ClassVar[ErrorCode]
 RUN_STATUS_UNSPECIFIED: RunStatus
 RUN_STATUS_QUEUED: RunStatus
 RUN_STATUS_RUNNING: RunStatus
@@ -70,11 +71,13 @@ ERROR_CODE_UNAVAILABLE: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
 ERROR_CODE_STORE_UNAVAILABLE: ErrorCode
 ERROR_CODE_FORBIDDEN: ErrorCode
+ERROR_CODE_RATE_LIMITED: ErrorCode
 
 class Envelope(_message.Message):
-    __slots__ = ("nonce", "reply_to", "hello", "hello_ack", "run_request", "run_accepted", "run_event", "cancel_run", "cancel_result", "get_run", "run_info", "list_runs", "run_list", "set_limits", "error", "ping", "pong", "limits")
+    __slots__ = ("nonce", "reply_to", "answer_within_s", "hello", "hello_ack", "run_request", "run_accepted", "run_event", "cancel_run", "cancel_result", "get_run", "run_info", "list_runs", "run_list", "set_limits", "error", "ping", "pong", "limits")
     NONCE_FIELD_NUMBER: _ClassVar[int]
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_WITHIN_S_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     HELLO_ACK_FIELD_NUMBER: _ClassVar[int]
     RUN_REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +96,7 @@ class Envelope(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     nonce: int
     reply_to: int
+    answer_within_s: float
     hello: Hello
     hello_ack: HelloAck
     run_request: RunRequest
@@ -109,7 +113,7 @@ class Envelope(_message.Message):
     ping: Ping
     pong: Pong
     limits: Limits
-    def __init__(self, nonce: _Optional[int] = ..., reply_to: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., hello_ack: _Optional[_Union[HelloAck, _Mapping]] = ..., run_request: _Optional[_Union[RunRequest, _Mapping]] = ..., run_accepted: _Optional[_Union[RunAccepted, _Mapping]] = ..., run_event: _Optional[_Union[RunEvent, _Mapping]] = ..., cancel_run: _Optional[_Union[CancelRun, _Mapping]] = ..., cancel_result: _Optional[_Union[CancelResult, _Mapping]] = ..., get_run: _Optional[_Union[GetRun, _Mapping]] = ..., run_info: _Optional[_Union[RunInfo, _Mapping]] = ..., list_runs: _Optional[_Union[ListRuns, _Mapping]] = ..., run_list: _Optional[_Union[RunList, _Mapping]] = ..., set_limits: _Optional[_Union[SetLimits, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...
+    def __init__(self, nonce: _Optional[int] = ..., reply_to: _Optional[int] = ..., answer_within_s: _Optional[float] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., hello_ack: _Optional[_Union[HelloAck, _Mapping]] = ..., run_request: _Optional[_Union[RunRequest, _Mapping]] = ..., run_accepted: _Optional[_Union[RunAccepted, _Mapping]] = ..., run_event: _Optional[_Union[RunEvent, _Mapping]] = ..., cancel_run: _Optional[_Union[CancelRun, _Mapping]] = ..., cancel_result: _Optional[_Union[CancelResult, _Mapping]] = ..., get_run: _Optional[_Union[GetRun, _Mapping]] = ..., run_info: _Optional[_Union[RunInfo, _Mapping]] = ..., list_runs: _Optional[_Union[ListRuns, _Mapping]] = ..., run_list: _Optional[_Union[RunList, _Mapping]] = ..., set_limits: _Optional[_Union[SetLimits, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...
 
 class Capabilities(_message.Message):
     __slots__ = ("max_concurrency", "streaming", "chat")
