@@ -130,7 +130,9 @@ class RunEvent:
     reason: str = ""
     message: str = ""
     usage: Usage | None = None
-    retry_after: float | None = None  # REJECTED: when a run like it would likely get in
+    # REJECTED: when a run like it would likely get in; FAILED: when its engine said to
+    # ask again (its 429 or 503)
+    retry_after: float | None = None
 
     @property
     def status(self) -> RunStatus | None:
