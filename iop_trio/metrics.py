@@ -133,8 +133,9 @@ METRICS: tuple[MetricInfo, ...] = (
         "iop_runs_failed_total",
         "counter",
         ("target", "reason"),
-        "Runs ended FAILED, by reason (connection, timeout, engine_error, model_not_found, "
-        "bad_response, empty_response, run_timeout, output_limit, store_unavailable, ...).",
+        "Runs ended FAILED, by reason (connection, timeout, engine_error, engine_busy, "
+        "engine_unavailable, model_not_found, bad_response, empty_response, run_timeout, "
+        "output_limit, store_unavailable, ...).",
     ),
     MetricInfo(
         "iop_run_deltas_total",

@@ -13,10 +13,15 @@ between two chunks of the body)
 connection refused, DNS failure, reset, the engine    ``connection``
 closed the connection mid-response, bad URL scheme
 non-2xx status (the engine's own message is kept)     ``engine_error``
+429 Too Many Requests                                 ``engine_busy``
+503 Service Unavailable                               ``engine_unavailable``
 404 whose message mentions the model                  ``model_not_found``
 undecodable body (content-encoding)                   ``bad_response``
 any other httpx error                                 ``engine_error``
 ====================================================  ==================
+
+A 429 or 503 carries a retry hint (:func:`retry_after_hint`): the engine's
+``Retry-After``, else :data:`ENGINE_RETRY_AFTER`.
 
 The stream formats (NDJSON lines, server-sent events) are parsed by the
 sans-IO :class:`LineSplitter` and :class:`SSEDecoder` below, which the
@@ -26,8 +31,12 @@ adapters feed with the body bytes as they come.
 from __future__ import annotations
 
 import abc
+import datetime
+import email.utils
 import json
+import math
 import re
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager, suppress
 from http import HTTPStatus
@@ -37,7 +46,7 @@ import attrs
 import httpx
 import trio
 
-from ..model import Capabilities, field_check, redact_url, seconds_problem
+from ..model import Capabilities, clamp_retry_after, field_check, redact_url, seconds_problem
 from .base import Adapter, AdapterError, AdapterRequest, Chunk
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -60,6 +69,13 @@ HEALTH_TIMEOUT = 5.0
 MAX_LINE = 16 * 1024 * 1024
 #: How much of an engine message (or of a bad line) is quoted in an AdapterError.
 MAX_QUOTE = 500
+#: The retry hint (seconds) of an engine's 429 or 503 that gives no ``Retry-After`` (or
+#: one that is no number of seconds nor a date): the status itself says to ask again
+#: later, and a caller is never left without a hint (the gate's before it has seen a
+#: grant is the same).
+ENGINE_RETRY_AFTER = 1.0
+#: The reasons of the statuses by which an engine turns a run away for now.
+BUSY_REASONS = {429: "engine_busy", 503: "engine_unavailable"}
 
 
 def quote(text: str, limit: int = MAX_QUOTE) -> str:
@@ -161,17 +177,56 @@ def body_message(body: bytes) -> str:
     return quote(message if message is not None else text)
 
 
-def status_error(status: int, phrase: str, body: bytes, where: str) -> AdapterError:
-    """The AdapterError for a non-2xx response with ``body`` (possibly cut short)."""
+def retry_after_hint(value: str, *, now: float | None = None) -> float | None:
+    """The seconds an HTTP ``Retry-After`` says to wait: a number of seconds, or an HTTP
+    date less ``now`` (the wall clock, by default), bounded as the gate bounds its own
+    hints (:func:`~iop_trio.model.clamp_retry_after`: 0.1 s .. 1 h, so a negative
+    delay or a date gone by gives 0.1 s, a huge one 1 h). None for a value that is
+    neither (empty, words, NaN)."""
+    text = value.strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            date = email.utils.parsedate_to_datetime(text)
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return None
+        if date.tzinfo is None:  # "-0000": UTC, says RFC 5322
+            date = date.replace(tzinfo=datetime.UTC)
+        seconds = date.timestamp() - (time.time() if now is None else now)
+    if math.isnan(seconds):
+        return None
+    return clamp_retry_after(seconds)
+
+
+def status_error(
+    status: int, phrase: str, body: bytes, where: str, *, retry_after: str | None = None
+) -> AdapterError:
+    """The AdapterError for a non-2xx response with ``body`` (possibly cut short).
+
+    A 429 or 503 (:data:`BUSY_REASONS`) carries a retry hint: the response's
+    ``retry_after`` header read by :func:`retry_after_hint`, or
+    :data:`ENGINE_RETRY_AFTER` when it gives none that can be read.
+    """
     message = body_message(body)
     if not phrase:
         with suppress(ValueError):
             phrase = HTTPStatus(status).phrase
     reason = "engine_error"
+    hint: float | None = None
+    tail = ""
     if status == 404 and "model" in message.lower():
         reason = "model_not_found"
+    elif status in BUSY_REASONS:
+        reason = BUSY_REASONS[status]
+        if retry_after is not None:
+            hint = retry_after_hint(retry_after)
+        hint = ENGINE_RETRY_AFTER if hint is None else hint
+        tail = f" (retry after {hint:g}s)"
     status_line = f"HTTP {status} {phrase}".rstrip()
-    return AdapterError(reason, f"{where}: {status_line}: {message or 'no details'}")
+    return AdapterError(
+        reason, f"{where}: {status_line}: {message or 'no details'}{tail}", retry_after=hint
+    )
 
 
 def parse_json(raw: bytes | str, where: str) -> Any:
@@ -699,6 +754,7 @@ class HTTPAdapter(Adapter):
                 exc.reason,
                 f"{exc.message} (the engine's answer to the request without "
                 "streaming, after an empty streamed answer)",
+                retry_after=exc.retry_after,
             )
         except httpx.HTTPError as exc:
             detail = transport_error(exc, where, timeout, streaming=False).message
@@ -755,5 +811,9 @@ class HTTPAdapter(Adapter):
             pass  # the status says enough
         response = engine.response
         raise status_error(
-            response.status_code, response.reason_phrase, body[:MAX_ERROR_BODY], engine.where
+            response.status_code,
+            response.reason_phrase,
+            body[:MAX_ERROR_BODY],
+            engine.where,
+            retry_after=response.headers.get("retry-after"),
         )

@@ -55,17 +55,20 @@ class AdapterError(Exception):
     """The engine could not produce the run: the run ends FAILED with ``reason``.
 
     ``reason`` is a short stable code (``engine_error``, ``timeout``,
-    ``connection``, ``bad_response``, ``empty_response``, ...); the message
-    is for people.
+    ``connection``, ``bad_response``, ``empty_response``, ``engine_busy``, ...);
+    the message is for people. ``retry_after`` (seconds) is when the engine said to
+    ask again (its 429 or 503); the run's FAILED event carries it to the caller.
     """
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, *, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
+        self.retry_after = retry_after
 
     def __repr__(self) -> str:
-        return f"AdapterError({self.reason!r}, {self.message!r})"
+        hint = "" if self.retry_after is None else f", retry_after={self.retry_after!r}"
+        return f"AdapterError({self.reason!r}, {self.message!r}{hint})"
 
 
 @attrs.frozen

@@ -725,7 +725,7 @@ class RunManager:
                             completed = True
                     await self._emit_text(live, text)
         except AdapterError as exc:
-            return _Outcome(RunStatus.FAILED, exc.reason, exc.message)
+            return _Outcome(RunStatus.FAILED, exc.reason, exc.message, retry_after=exc.retry_after)
         return _Outcome(RunStatus.SUCCEEDED, usage=usage)
 
     async def _emit_text(self, live: _LiveRun, text: list[str]) -> None:
