@@ -20,7 +20,7 @@ import httpx
 import pytest
 import trio
 
-from iop_trio.adapters import AdapterRequest, Delta
+from iop_trio.adapters import AdapterError, AdapterRequest, Delta
 from iop_trio.adapters._http import ENGINE_RETRY_AFTER, retry_after_hint, transport_error
 from iop_trio.model import MAX_RETRY_AFTER, MIN_RETRY_AFTER
 from iop_trio.runtime import EventKind, RunSpec, RunStatus, Usage
@@ -583,6 +583,55 @@ async def test_transport_errors_map_to_reasons(wire, exc, reason, words):
         f"{wire.kind} engine at http://engine:11434{wire.path} (model '{wire.model}')"
     )
     await adapter.client.aclose()
+
+
+@pytest.mark.parametrize(
+    ("exc", "unresponsive"),
+    [
+        (httpx.ConnectTimeout("t"), True),  # the engine did not answer in time
+        (httpx.ReadTimeout("t"), True),
+        (httpx.WriteTimeout("t"), False),  # a long prompt on a slow link, as much as a hang
+        (httpx.PoolTimeout("t"), False),  # the node's own pool
+        (httpx.ConnectError("refused"), False),  # down, not hung: the list probe sees it
+        (httpx.RemoteProtocolError("closed"), False),
+    ],
+    ids=lambda value: type(value).__name__ if isinstance(value, Exception) else str(value),
+)
+def test_only_connect_and_read_timeouts_say_the_engine_did_not_answer(exc, unresponsive):
+    for streaming in (False, True):
+        error = transport_error(exc, "here", httpx.Timeout(1.0), streaming=streaming)
+        assert error.unresponsive is unresponsive, (error, streaming)
+
+
+async def test_a_run_probe_asks_for_one_token_without_streaming(wire, server):
+    """What the node asks of a target whose engine did not answer a run in time: the run's
+    own request (the target's params), for as little output as the engine allows."""
+    reply = server.push(wire.whole_reply("Hi"))
+    request = AdapterRequest(run_id="p", model=wire.model, prompt="hi", params={"seed": 3})
+    async with wire.adapter(server.url) as adapter:
+        with trio.fail_after(10):
+            await adapter.probe_generation(request)
+    body = (await reply.request()).json
+    assert ((await reply.request()).path, body["stream"]) == (wire.path, False)
+    assert wire.is_probe(body)
+    assert wire.prompt_of(body) == "hi"
+    assert 3 in (body.get("seed"), body.get("options", {}).get("seed"))
+
+
+async def test_a_run_probe_the_engine_does_not_answer_in_time_is_unresponsive(
+    wire, server, autojump_clock
+):
+    server.push(Reply.silent())
+    server.push(wire.error(500, "the model runner crashed"))
+    async with wire.adapter(server.url, read_timeout=60.0) as adapter:
+        with pytest.raises(AdapterError) as silent:
+            await adapter.probe_generation(prompt(wire))
+        assert (silent.value.reason, silent.value.unresponsive) == ("timeout", True)
+        assert "within 30" in silent.value.message  # PROBE_TIMEOUT, not the read_timeout
+        with pytest.raises(AdapterError) as crashed:
+            await adapter.probe_generation(prompt(wire))
+        assert (crashed.value.reason, crashed.value.unresponsive) == ("engine_error", False)
+        assert "the model runner crashed" in crashed.value.message
 
 
 def test_transport_error_for_a_stalled_stream_says_so():

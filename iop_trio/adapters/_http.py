@@ -9,7 +9,8 @@ what happened                                         reason
 ====================================================  ==================
 connect / pool / write timeout, no data for           ``timeout``
 ``read_timeout`` seconds (before the headers or
-between two chunks of the body)
+between two chunks of the body); the connect and
+read timeouts are ``unresponsive``
 connection refused, DNS failure, reset, the engine    ``connection``
 closed the connection mid-response, bad URL scheme
 non-2xx status (the engine's own message is kept)     ``engine_error``
@@ -92,14 +93,22 @@ def transport_error(
 ) -> AdapterError:
     """The AdapterError for an httpx error; ``streaming`` = the headers had arrived."""
     detail = str(exc) or type(exc).__name__
+    # the engine did not answer in time (unresponsive); a write or pool timeout is not
+    # that: a long prompt on a slow link, or the node's own pool
     if isinstance(exc, httpx.ConnectTimeout):
-        return AdapterError("timeout", f"{where}: could not connect within {timeout.connect}s")
+        return AdapterError(
+            "timeout", f"{where}: could not connect within {timeout.connect}s", unresponsive=True
+        )
     if isinstance(exc, httpx.ReadTimeout):
         if streaming:
             return AdapterError(
-                "timeout", f"{where}: the stream stalled: no data for {timeout.read}s"
+                "timeout",
+                f"{where}: the stream stalled: no data for {timeout.read}s",
+                unresponsive=True,
             )
-        return AdapterError("timeout", f"{where}: no response within {timeout.read}s")
+        return AdapterError(
+            "timeout", f"{where}: no response within {timeout.read}s", unresponsive=True
+        )
     if isinstance(exc, httpx.WriteTimeout):
         return AdapterError(
             "timeout", f"{where}: could not send the request within {timeout.write}s"
@@ -726,29 +735,12 @@ class HTTPAdapter(Adapter):
         leaves ``empty``, saying what the second answer was.
         """
         where = self.where(url, request.model)
-        client = self.client
-        timeout = httpx.Timeout(min(PROBE_TIMEOUT, self.timeout.read or PROBE_TIMEOUT))
+        timeout = self._probe_timeout()
+        status = 0
         try:
             with trio.move_on_after(PROBE_TIMEOUT) as scope:
-                http_request = client.build_request(
-                    "POST",
-                    url,
-                    json=self.probe_body(body),
-                    headers=self.request_headers(),
-                    timeout=timeout,
-                )
-                try:
-                    response = await client.send(http_request, stream=True)
-                except (httpx.NetworkError, httpx.RemoteProtocolError):
-                    # the engine may close the connection of the empty answer (llama.cpp's
-                    # server resets it): the pool gave us that one; once more, on a new one
-                    response = await client.send(http_request, stream=True)
-                try:
-                    probe = EngineResponse(response, where, timeout)
-                    if not response.is_success:
-                        await self._raise_status(probe)
-                finally:
-                    await response.aclose()
+                async with self._post_plain(url, self.probe_body(body), where) as plain:
+                    status = plain.response.status_code
         except AdapterError as exc:
             return AdapterError(
                 exc.reason,
@@ -765,9 +757,76 @@ class HTTPAdapter(Adapter):
             )
         return AdapterError(
             empty.reason,
-            f"{empty.message} (the same request without streaming was accepted, "
-            f"HTTP {response.status_code})",
+            f"{empty.message} (the same request without streaming was accepted, HTTP {status})",
         )
+
+    async def probe_generation(self, request: AdapterRequest) -> None:
+        """Ask the engine for the smallest answer to ``request`` it allows: the run's body
+        without streaming and for as little output as the engine allows
+        (:meth:`probe_body`: one token), its answer read whole, all within
+        :data:`PROBE_TIMEOUT` (or the adapter's ``read_timeout``, if shorter).
+
+        Returns once the engine has answered 2xx with a JSON value that is no error;
+        raises AdapterError as a run would otherwise (``unresponsive`` when the engine
+        did not answer in time).
+        """
+        url = self.url(request)
+        body = self.probe_body(self.request_body(request))
+        where = self.where(url, request.model)
+        timeout = self._probe_timeout()
+        answer: Any = None
+        try:
+            with trio.move_on_after(PROBE_TIMEOUT) as scope:
+                async with self._post_plain(url, body, where) as plain:
+                    answer = parse_json(await plain.read_all(MAX_LINE), where)
+        except httpx.HTTPError as exc:
+            raise transport_error(exc, where, timeout, streaming=False) from None
+        if scope.cancelled_caught:
+            raise AdapterError(
+                "timeout",
+                f"{where}: no answer to a request for one token within {PROBE_TIMEOUT:g}s",
+                unresponsive=True,
+            )
+        message = json_error(answer)
+        if message is not None:
+            raise AdapterError("engine_error", f"{where}: engine error: {quote(message)}")
+
+    def _probe_timeout(self) -> httpx.Timeout:
+        """The timeouts of a request for one token: :data:`PROBE_TIMEOUT`, or the
+        adapter's ``read_timeout`` if that is shorter."""
+        return httpx.Timeout(min(PROBE_TIMEOUT, self.timeout.read or PROBE_TIMEOUT))
+
+    @asynccontextmanager
+    async def _post_plain(
+        self, url: str, body: Mapping[str, Any], where: str
+    ) -> AsyncIterator[EngineResponse]:
+        """POST ``body`` (asked without streaming), with :meth:`_probe_timeout`, and yield
+        its 2xx response, unread; sent once more, on a new connection, if the pooled one
+        turns out gone (the engine may close the connection of an empty answer:
+        llama.cpp's server resets it). AdapterError for another status (with the
+        engine's message) or a body JSON cannot carry; httpx errors are raised as they
+        are. Closed on leaving."""
+        client = self.client
+        timeout = self._probe_timeout()
+        try:
+            http_request = client.build_request(
+                "POST", url, json=body, headers=self.request_headers(), timeout=timeout
+            )
+        except (TypeError, ValueError) as exc:
+            raise AdapterError(
+                "invalid_params", f"{where}: cannot send the request: {exc}"
+            ) from exc
+        try:
+            response = await client.send(http_request, stream=True)
+        except (httpx.NetworkError, httpx.RemoteProtocolError):
+            response = await client.send(http_request, stream=True)
+        plain = EngineResponse(response, where, timeout)
+        try:
+            if not response.is_success:
+                await self._raise_status(plain)
+            yield plain
+        finally:
+            await plain.aclose()
 
     @asynccontextmanager
     async def post_stream(
