@@ -270,8 +270,9 @@ METRICS: tuple[MetricInfo, ...] = (
         "iop_target_available",
         "gauge",
         ("target",),
-        "1 while the target's engine answered the last probe and serves its model; 0 while "
-        "it does not (runtime.probe_interval; always 1 without probes).",
+        "1 while the target's engine answered the last probe, serves its model and answers "
+        "its runs in time; 0 while it does not (runtime.probe_interval; always 1 without "
+        "probes).",
     ),
     MetricInfo(
         "iop_store_writable",
