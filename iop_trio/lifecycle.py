@@ -45,6 +45,9 @@ TRANSITIONS: Mapping[RunStatus | None, frozenset[RunStatus]] = {
     **{s: frozenset() for s in TERMINAL_STATUSES},
 }
 
+#: The ends that carry a retry hint: the gate's (REJECTED), an engine's (FAILED).
+_HINTED = frozenset({RunStatus.REJECTED, RunStatus.FAILED})
+
 #: The reason of the INTERRUPTED event of a run found unfinished when a node starts.
 NODE_RESTART = "node_restart"
 
@@ -157,7 +160,9 @@ class RunState:
         """Move to ``new`` and return its event; raises IllegalTransition.
 
         A REJECTED event needs a reason of :data:`~iop_trio.model.REJECT_REASONS`
-        (ValueError otherwise); only it carries ``retry_after``.
+        (ValueError otherwise). Only REJECTED and FAILED carry ``retry_after`` (the
+        gate's hint; an engine's, when it turned the run away with a 429 or 503); any
+        other end drops it.
         """
         check_transition(self.record.run_id, self.record.status, new)
         if new is RunStatus.REJECTED and reason not in REJECT_REASONS:
@@ -170,7 +175,7 @@ class RunState:
             reason=reason,
             message=message,
             usage=usage,
-            retry_after=retry_after if new is RunStatus.REJECTED else None,
+            retry_after=retry_after if new in _HINTED else None,
         )
         fold(self.record, event)
         return event

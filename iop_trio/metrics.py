@@ -133,8 +133,9 @@ METRICS: tuple[MetricInfo, ...] = (
         "iop_runs_failed_total",
         "counter",
         ("target", "reason"),
-        "Runs ended FAILED, by reason (connection, timeout, engine_error, model_not_found, "
-        "bad_response, empty_response, run_timeout, output_limit, store_unavailable, ...).",
+        "Runs ended FAILED, by reason (connection, timeout, engine_error, engine_busy, "
+        "engine_unavailable, model_not_found, bad_response, empty_response, run_timeout, "
+        "output_limit, store_unavailable, ...).",
     ),
     MetricInfo(
         "iop_run_deltas_total",
@@ -269,8 +270,9 @@ METRICS: tuple[MetricInfo, ...] = (
         "iop_target_available",
         "gauge",
         ("target",),
-        "1 while the target's engine answered the last probe and serves its model; 0 while "
-        "it does not (runtime.probe_interval; always 1 without probes).",
+        "1 while the target's engine answered the last probe, serves its model and answers "
+        "its runs in time; 0 while it does not (runtime.probe_interval; always 1 without "
+        "probes).",
     ),
     MetricInfo(
         "iop_store_writable",

@@ -85,6 +85,20 @@ class RejectReason(enum.Enum):
 #: Reasons a REJECTED event may carry; other terminal events take free-form reasons.
 REJECT_REASONS = frozenset(r.value for r in RejectReason)
 
+#: Bounds on a retry hint, in seconds: the gate's own, and an engine's ``Retry-After``.
+MIN_RETRY_AFTER = 0.1
+MAX_RETRY_AFTER = 3600.0
+
+
+def clamp_retry_after(seconds: float) -> float:
+    """``seconds`` within :data:`MIN_RETRY_AFTER` .. :data:`MAX_RETRY_AFTER`, to a tenth
+    of a second: a negative hint gives the least, an infinite one the most. NaN is no
+    number of seconds: ValueError (a caller that may meet one decides what it means)."""
+    if math.isnan(seconds):
+        raise ValueError("a retry hint cannot be NaN")
+    return round(min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, seconds)), 1)
+
+
 #: The most text (characters) of a delta joined of several pieces (by a run from what its
 #: engine sent at once, or on the wire from deltas that waited), so its frame stays far
 #: below max_message_size; one piece longer than that is kept whole.
@@ -116,7 +130,9 @@ class RunEvent:
     reason: str = ""
     message: str = ""
     usage: Usage | None = None
-    retry_after: float | None = None  # REJECTED: when a run like it would likely get in
+    # REJECTED: when a run like it would likely get in; FAILED: when its engine said to
+    # ask again (its 429 or 503)
+    retry_after: float | None = None
 
     @property
     def status(self) -> RunStatus | None:

@@ -535,6 +535,7 @@ class Wire:
     bad_params: tuple[Mapping[str, Any], ...]
     prompt_of: Callable[[Any], str]  # the prompt of a request body
     is_probe: Callable[[Any], bool]  # a body asks for as little output as the engine allows
+    whole: Callable[[str], bytes]  # the engine's answer to a request without streaming
 
     def __repr__(self) -> str:
         return self.kind
@@ -575,6 +576,10 @@ class Wire:
     def error(self, status: int, message: str) -> Reply:
         return Reply(status, parts=[self.error_body(message)], content_length=True)
 
+    def whole_reply(self, text: str) -> Reply:
+        """A 200 answer of ``text`` to a request without streaming."""
+        return Reply(parts=[self.whole(text)], content_length=True)
+
 
 def _openai_end(usage: Usage) -> bytes:
     counts = (usage.prompt_tokens or 0, usage.completion_tokens or 0)
@@ -610,6 +615,9 @@ OLLAMA = Wire(
     bad_params=({"options": [1]}, {"system": 3}),
     prompt_of=lambda body: str(body["prompt"]),
     is_probe=lambda body: body["options"]["num_predict"] == 1,
+    whole=lambda text: json.dumps(
+        {**ollama_done(chat=False, eval_count=1), "response": text}
+    ).encode(),
 )
 OPENAI = Wire(
     kind="openai",
@@ -636,6 +644,21 @@ OPENAI = Wire(
     bad_params=({"extra_body": "x"}, {"temperature": {0.5}}),
     prompt_of=lambda body: str(body["messages"][-1]["content"]),
     is_probe=lambda body: body["max_tokens"] == 1 and "stream_options" not in body,
+    whole=lambda text: json.dumps(
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "model": "qwen",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "length",
+                }
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+    ).encode(),
 )
 WIRES = (OLLAMA, OPENAI)
 

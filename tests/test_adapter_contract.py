@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import gzip
 from collections.abc import AsyncIterator, Callable
+from email.utils import formatdate
 from typing import Any
 
 import httpx
 import pytest
 import trio
 
-from iop_trio.adapters import AdapterRequest, Delta
-from iop_trio.adapters._http import transport_error
+from iop_trio.adapters import AdapterError, AdapterRequest, Delta
+from iop_trio.adapters._http import ENGINE_RETRY_AFTER, retry_after_hint, transport_error
+from iop_trio.model import MAX_RETRY_AFTER, MIN_RETRY_AFTER
 from iop_trio.runtime import EventKind, RunSpec, RunStatus, Usage
 
 from .engines import (
+    OPENAI,
     WIRES,
     EngineServer,
     Reply,
@@ -192,6 +195,64 @@ async def test_404_of_another_server_is_an_engine_error(wire, server):
     record, _ = await run_reply(wire, server, reply)
     assert (record.reason, record.status) == ("engine_error", RunStatus.FAILED)
     assert "HTTP 404 Not Found: 404 page not found" in record.message
+
+
+@pytest.mark.parametrize(
+    ("status", "reason", "phrase"),
+    [(429, "engine_busy", "Too Many Requests"), (503, "engine_unavailable", "Service Unavailable")],
+)
+async def test_an_engine_that_turns_a_run_away_says_when_to_ask_again(
+    wire, server, status, reason, phrase
+):
+    """The engine's Retry-After goes with the run's end: its record and its FAILED event."""
+    reply = Reply(
+        status,
+        headers=[("retry-after", "7")],
+        parts=[wire.error_body("the server is overloaded")],
+        content_length=True,
+    )
+    record, events = await run_reply(wire, server, reply)
+    assert (record.status, record.reason, record.retry_after) == (RunStatus.FAILED, reason, 7.0)
+    assert (events[-1].kind, events[-1].retry_after) == (EventKind.FAILED, 7.0)
+    assert f"HTTP {status} {phrase}: the server is overloaded" in record.message
+    assert "retry after 7s" in record.message
+    assert_names_engine(wire, record.message, server.url)
+
+
+@pytest.mark.parametrize(
+    ("header", "hint"),
+    [
+        ("2.5", 2.5),
+        ("0", MIN_RETRY_AFTER),
+        ("-5", MIN_RETRY_AFTER),  # a silly hint is bounded as the gate bounds its own
+        ("99999999", MAX_RETRY_AFTER),
+        ("inf", MAX_RETRY_AFTER),
+        ("Fri, 01 Jan 2100 00:00:00 GMT", MAX_RETRY_AFTER),  # an HTTP date
+        ("Fri, 01 Jan 1999 00:00:00 GMT", MIN_RETRY_AFTER),  # passed already
+        ("nan", ENGINE_RETRY_AFTER),  # no number: as if the engine gave none
+        ("soon", ENGINE_RETRY_AFTER),
+        (None, ENGINE_RETRY_AFTER),
+    ],
+)
+async def test_a_429s_hint_is_bounded_and_one_is_given_when_the_engine_gives_none(
+    server, header, hint
+):
+    wire = OPENAI
+    headers = [] if header is None else [("retry-after", header)]
+    server.push(Reply(429, headers=headers, parts=[wire.error_body("busy")], content_length=True))
+    async with wire.adapter(server.url) as adapter:
+        error = await failure(adapter, prompt(wire))
+    assert (error.reason, error.retry_after) == ("engine_busy", hint)
+
+
+def test_retry_after_reads_seconds_and_http_dates():
+    now = 1_700_000_000.0
+    assert retry_after_hint(" 12 ", now=now) == 12.0
+    assert retry_after_hint(formatdate(now + 90, usegmt=True), now=now) == 90.0
+    assert retry_after_hint(formatdate(now + 90), now=now) == 90.0  # a zone, not GMT
+    assert retry_after_hint("Sun, 06 Nov 1994 08:49:37 -0000", now=784111777.0 - 30) == 30.0
+    for unreadable in ("", "soon", "nan", "-nan", "12 seconds", "Fri, 99 Foo 2100"):
+        assert retry_after_hint(unreadable, now=now) is None, unreadable
 
 
 async def test_error_mid_stream_fails_the_run(wire, server):
@@ -522,6 +583,55 @@ async def test_transport_errors_map_to_reasons(wire, exc, reason, words):
         f"{wire.kind} engine at http://engine:11434{wire.path} (model '{wire.model}')"
     )
     await adapter.client.aclose()
+
+
+@pytest.mark.parametrize(
+    ("exc", "unresponsive"),
+    [
+        (httpx.ConnectTimeout("t"), True),  # the engine did not answer in time
+        (httpx.ReadTimeout("t"), True),
+        (httpx.WriteTimeout("t"), False),  # a long prompt on a slow link, as much as a hang
+        (httpx.PoolTimeout("t"), False),  # the node's own pool
+        (httpx.ConnectError("refused"), False),  # down, not hung: the list probe sees it
+        (httpx.RemoteProtocolError("closed"), False),
+    ],
+    ids=lambda value: type(value).__name__ if isinstance(value, Exception) else str(value),
+)
+def test_only_connect_and_read_timeouts_say_the_engine_did_not_answer(exc, unresponsive):
+    for streaming in (False, True):
+        error = transport_error(exc, "here", httpx.Timeout(1.0), streaming=streaming)
+        assert error.unresponsive is unresponsive, (error, streaming)
+
+
+async def test_a_run_probe_asks_for_one_token_without_streaming(wire, server):
+    """What the node asks of a target whose engine did not answer a run in time: the run's
+    own request (the target's params), for as little output as the engine allows."""
+    reply = server.push(wire.whole_reply("Hi"))
+    request = AdapterRequest(run_id="p", model=wire.model, prompt="hi", params={"seed": 3})
+    async with wire.adapter(server.url) as adapter:
+        with trio.fail_after(10):
+            await adapter.probe_generation(request)
+    body = (await reply.request()).json
+    assert ((await reply.request()).path, body["stream"]) == (wire.path, False)
+    assert wire.is_probe(body)
+    assert wire.prompt_of(body) == "hi"
+    assert 3 in (body.get("seed"), body.get("options", {}).get("seed"))
+
+
+async def test_a_run_probe_the_engine_does_not_answer_in_time_is_unresponsive(
+    wire, server, autojump_clock
+):
+    server.push(Reply.silent())
+    server.push(wire.error(500, "the model runner crashed"))
+    async with wire.adapter(server.url, read_timeout=60.0) as adapter:
+        with pytest.raises(AdapterError) as silent:
+            await adapter.probe_generation(prompt(wire))
+        assert (silent.value.reason, silent.value.unresponsive) == ("timeout", True)
+        assert "within 30" in silent.value.message  # PROBE_TIMEOUT, not the read_timeout
+        with pytest.raises(AdapterError) as crashed:
+            await adapter.probe_generation(prompt(wire))
+        assert (crashed.value.reason, crashed.value.unresponsive) == ("engine_error", False)
+        assert "the model runner crashed" in crashed.value.message
 
 
 def test_transport_error_for_a_stalled_stream_says_so():

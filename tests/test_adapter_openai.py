@@ -218,8 +218,8 @@ async def run_failing(server: EngineServer, reply: Reply | None, **kw: Any) -> t
             "HTTP 500 Internal Server Error: the server is overloaded",
         ),
         (
-            Reply(503, content_type="text/html", parts=[b"<h1>Service\n Unavailable</h1>"]),
-            "HTTP 503 Service Unavailable: <h1>Service Unavailable</h1>",
+            Reply(504, content_type="text/html", parts=[b"<h1>Gateway\n Timeout</h1>"]),
+            "HTTP 504 Gateway Timeout: <h1>Gateway Timeout</h1>",
         ),
         (
             Reply(

@@ -22,11 +22,13 @@ import trio
 from iop_trio.edge import Edge
 from iop_trio.edge.front_door import parse_chat_request, serve_door
 from iop_trio.edge.identities import Identities, token_digest
-from iop_trio.model import EventKind, RunSpec, RunStatus
+from iop_trio.model import EventKind, RunSpec, RunStatus, TargetSpec
 from iop_trio.protocol import pb
 from iop_trio.runtime import Node
-from iop_trio.transport import RemoteError, SessionSettings
+from iop_trio.store.memory import MemoryStore
+from iop_trio.transport import RemoteError, SessionSettings, open_runner
 
+from .engines import OPENAI, EngineServer, Reply, serve
 from .support import logged
 from .test_edge_identities import IDENTITIES, run_node
 from .test_wire import TOKEN, echo_node, stack
@@ -169,6 +171,81 @@ async def test_a_rejection_is_429_with_retry_after_streaming_or_not():
                 assert rejected.value.code == "queue_full"
                 assert int(rejected.value.response.headers["retry-after"]) >= 1
             await d.edge.cancel(held.run_id)
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[EngineServer]:
+    async with serve() as server:
+        yield server
+
+
+def engine_node(url: str) -> Node:
+    """One target, vllm/qwen, on the OpenAI-compatible engine at ``url``."""
+    return Node(
+        node_id="n1",
+        adapters=[OPENAI.adapter(url)],
+        targets=[TargetSpec("vllm", "qwen")],
+        store=MemoryStore(),
+    )
+
+
+def turned_away(status: int, retry_after: str) -> Reply:
+    return Reply(
+        status,
+        headers=[("retry-after", retry_after)],
+        parts=[OPENAI.error_body("too many requests at once")],
+        content_length=True,
+    )
+
+
+async def test_an_engines_429_or_503_is_the_doors_with_its_retry_after(engine):
+    """Not a bare 502: the caller is told the engine is busy, and when to ask again."""
+    hello = [{"role": "user", "content": "hi"}]
+    async with door(engine_node(engine.url)) as d:
+        engine.push(turned_away(429, "7"))
+        with pytest.raises(openai.RateLimitError) as busy:
+            await in_thread(
+                lambda: d.client().chat.completions.create(model="vllm/qwen", messages=hello)  # type: ignore[arg-type]
+            )
+        assert busy.value.code == "engine_busy"
+        assert busy.value.response.headers["retry-after"] == "7"
+        assert "too many requests at once" in busy.value.message
+        engine.push(turned_away(503, "2.5"))
+        with pytest.raises(openai.InternalServerError) as down:
+            await in_thread(
+                lambda: d.client().chat.completions.create(model="vllm/qwen", messages=hello)  # type: ignore[arg-type]
+            )
+        assert (down.value.status_code, down.value.code) == (503, "engine_unavailable")
+        assert down.value.response.headers["retry-after"] == "3"  # whole seconds, rounded up
+        # a stream's headers went out when the run started: the error comes as its event
+        engine.push(turned_away(429, "7"))
+        with pytest.raises(openai.APIError) as streamed:
+            await in_thread(
+                lambda: list(
+                    d.client().chat.completions.create(
+                        model="vllm/qwen",
+                        messages=hello,  # type: ignore[arg-type]
+                        stream=True,
+                    )
+                )
+            )
+        assert streamed.value.code == "engine_busy"
+        assert "retry after 7s" in streamed.value.message
+
+
+async def test_a_proto_socket_caller_gets_the_engines_retry_hint(engine):
+    async with door(engine_node(engine.url)) as d:
+        engine.push(turned_away(429, "7"))
+        async with open_runner(d.edge.client_url, token=TOKEN) as client:
+            async with client.run(RunSpec("vllm/qwen", "hi")) as stream:
+                _, last = await stream.collect()
+            assert (last.kind, last.reason, last.retry_after) == (
+                EventKind.FAILED,
+                "engine_busy",
+                7.0,
+            )
+            info = await client.get_run(stream.run_id)
+            assert info.run.retry_after_s == 7.0
 
 
 async def test_a_client_that_goes_away_cancels_its_run():

@@ -13,8 +13,8 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from iop_trio.model import RejectReason, TenantLimits
-from iop_trio.runtime.gate import MIN_RETRY_AFTER, Gate, GateRejected
+from iop_trio.model import MIN_RETRY_AFTER, RejectReason, TenantLimits
+from iop_trio.runtime.gate import Gate, GateRejected
 
 
 def gate_with(targets: dict[str, int], *, concurrency: int = 100, **kw: float) -> Gate:

@@ -90,6 +90,23 @@ def test_rejected_needs_a_known_reason():
     )
 
 
+@pytest.mark.parametrize(
+    ("end", "kept"),
+    [
+        (RunStatus.FAILED, True),  # an engine's 429 or 503: when to ask it again
+        (RunStatus.SUCCEEDED, False),
+        (RunStatus.CANCELLED, False),
+        (RunStatus.INTERRUPTED, False),
+    ],
+)
+def test_a_retry_hint_is_kept_on_a_failure_and_dropped_on_other_ends(end, kept):
+    state, _ = make()
+    state.transition(RunStatus.RUNNING, time=2.0)
+    event = state.transition(end, time=3.0, reason="engine_busy", retry_after=7.0)
+    hint = 7.0 if kept else None
+    assert (event.retry_after, state.record.retry_after) == (hint, hint)
+
+
 def test_fold_refuses_a_gap_in_seq():
     state, _ = make()
     state.transition(RunStatus.RUNNING, time=2.0)

@@ -436,6 +436,19 @@ async def test_a_rejection_keeps_its_retry_hint(store):
     assert record == state.record
 
 
+async def test_a_failure_keeps_its_engines_retry_hint(store):
+    """A run the engine turned away (its 429 or 503) keeps when to ask it again."""
+    state = await running(store, "r1")
+    event = state.transition(
+        RunStatus.FAILED, time=105.0, reason="engine_busy", message="busy", retry_after=7.0
+    )
+    await store.append(event)
+    record = await store.get("r1")
+    assert record is not None and record.retry_after == 7.0
+    assert (await store.events("r1"))[-1].retry_after == 7.0
+    assert record == state.record
+
+
 async def test_list_runs_sees_status_changes(store):
     state = await created(store, "r1")
     assert [r.run_id for r in await store.list_runs(statuses=[RunStatus.QUEUED])] == ["r1"]

@@ -9,14 +9,20 @@ what happened                                         reason
 ====================================================  ==================
 connect / pool / write timeout, no data for           ``timeout``
 ``read_timeout`` seconds (before the headers or
-between two chunks of the body)
+between two chunks of the body); the connect and
+read timeouts are ``unresponsive``
 connection refused, DNS failure, reset, the engine    ``connection``
 closed the connection mid-response, bad URL scheme
 non-2xx status (the engine's own message is kept)     ``engine_error``
+429 Too Many Requests                                 ``engine_busy``
+503 Service Unavailable                               ``engine_unavailable``
 404 whose message mentions the model                  ``model_not_found``
 undecodable body (content-encoding)                   ``bad_response``
 any other httpx error                                 ``engine_error``
 ====================================================  ==================
+
+A 429 or 503 carries a retry hint (:func:`retry_after_hint`): the engine's
+``Retry-After``, else :data:`ENGINE_RETRY_AFTER`.
 
 The stream formats (NDJSON lines, server-sent events) are parsed by the
 sans-IO :class:`LineSplitter` and :class:`SSEDecoder` below, which the
@@ -26,8 +32,12 @@ adapters feed with the body bytes as they come.
 from __future__ import annotations
 
 import abc
+import datetime
+import email.utils
 import json
+import math
 import re
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager, suppress
 from http import HTTPStatus
@@ -37,7 +47,7 @@ import attrs
 import httpx
 import trio
 
-from ..model import Capabilities, field_check, redact_url, seconds_problem
+from ..model import Capabilities, clamp_retry_after, field_check, redact_url, seconds_problem
 from .base import Adapter, AdapterError, AdapterRequest, Chunk
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -60,6 +70,13 @@ HEALTH_TIMEOUT = 5.0
 MAX_LINE = 16 * 1024 * 1024
 #: How much of an engine message (or of a bad line) is quoted in an AdapterError.
 MAX_QUOTE = 500
+#: The retry hint (seconds) of an engine's 429 or 503 that gives no ``Retry-After`` (or
+#: one that is no number of seconds nor a date): the status itself says to ask again
+#: later, and a caller is never left without a hint (the gate's before it has seen a
+#: grant is the same).
+ENGINE_RETRY_AFTER = 1.0
+#: The reasons of the statuses by which an engine turns a run away for now.
+BUSY_REASONS = {429: "engine_busy", 503: "engine_unavailable"}
 
 
 def quote(text: str, limit: int = MAX_QUOTE) -> str:
@@ -76,14 +93,22 @@ def transport_error(
 ) -> AdapterError:
     """The AdapterError for an httpx error; ``streaming`` = the headers had arrived."""
     detail = str(exc) or type(exc).__name__
+    # the engine did not answer in time (unresponsive); a write or pool timeout is not
+    # that: a long prompt on a slow link, or the node's own pool
     if isinstance(exc, httpx.ConnectTimeout):
-        return AdapterError("timeout", f"{where}: could not connect within {timeout.connect}s")
+        return AdapterError(
+            "timeout", f"{where}: could not connect within {timeout.connect}s", unresponsive=True
+        )
     if isinstance(exc, httpx.ReadTimeout):
         if streaming:
             return AdapterError(
-                "timeout", f"{where}: the stream stalled: no data for {timeout.read}s"
+                "timeout",
+                f"{where}: the stream stalled: no data for {timeout.read}s",
+                unresponsive=True,
             )
-        return AdapterError("timeout", f"{where}: no response within {timeout.read}s")
+        return AdapterError(
+            "timeout", f"{where}: no response within {timeout.read}s", unresponsive=True
+        )
     if isinstance(exc, httpx.WriteTimeout):
         return AdapterError(
             "timeout", f"{where}: could not send the request within {timeout.write}s"
@@ -161,17 +186,56 @@ def body_message(body: bytes) -> str:
     return quote(message if message is not None else text)
 
 
-def status_error(status: int, phrase: str, body: bytes, where: str) -> AdapterError:
-    """The AdapterError for a non-2xx response with ``body`` (possibly cut short)."""
+def retry_after_hint(value: str, *, now: float | None = None) -> float | None:
+    """The seconds an HTTP ``Retry-After`` says to wait: a number of seconds, or an HTTP
+    date less ``now`` (the wall clock, by default), bounded as the gate bounds its own
+    hints (:func:`~iop_trio.model.clamp_retry_after`: 0.1 s .. 1 h, so a negative
+    delay or a date gone by gives 0.1 s, a huge one 1 h). None for a value that is
+    neither (empty, words, NaN)."""
+    text = value.strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            date = email.utils.parsedate_to_datetime(text)
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return None
+        if date.tzinfo is None:  # "-0000": UTC, says RFC 5322
+            date = date.replace(tzinfo=datetime.UTC)
+        seconds = date.timestamp() - (time.time() if now is None else now)
+    if math.isnan(seconds):
+        return None
+    return clamp_retry_after(seconds)
+
+
+def status_error(
+    status: int, phrase: str, body: bytes, where: str, *, retry_after: str | None = None
+) -> AdapterError:
+    """The AdapterError for a non-2xx response with ``body`` (possibly cut short).
+
+    A 429 or 503 (:data:`BUSY_REASONS`) carries a retry hint: the response's
+    ``retry_after`` header read by :func:`retry_after_hint`, or
+    :data:`ENGINE_RETRY_AFTER` when it gives none that can be read.
+    """
     message = body_message(body)
     if not phrase:
         with suppress(ValueError):
             phrase = HTTPStatus(status).phrase
     reason = "engine_error"
+    hint: float | None = None
+    tail = ""
     if status == 404 and "model" in message.lower():
         reason = "model_not_found"
+    elif status in BUSY_REASONS:
+        reason = BUSY_REASONS[status]
+        if retry_after is not None:
+            hint = retry_after_hint(retry_after)
+        hint = ENGINE_RETRY_AFTER if hint is None else hint
+        tail = f" (retry after {hint:g}s)"
     status_line = f"HTTP {status} {phrase}".rstrip()
-    return AdapterError(reason, f"{where}: {status_line}: {message or 'no details'}")
+    return AdapterError(
+        reason, f"{where}: {status_line}: {message or 'no details'}{tail}", retry_after=hint
+    )
 
 
 def parse_json(raw: bytes | str, where: str) -> Any:
@@ -671,34 +735,18 @@ class HTTPAdapter(Adapter):
         leaves ``empty``, saying what the second answer was.
         """
         where = self.where(url, request.model)
-        client = self.client
-        timeout = httpx.Timeout(min(PROBE_TIMEOUT, self.timeout.read or PROBE_TIMEOUT))
+        timeout = self._probe_timeout()
+        status = 0
         try:
             with trio.move_on_after(PROBE_TIMEOUT) as scope:
-                http_request = client.build_request(
-                    "POST",
-                    url,
-                    json=self.probe_body(body),
-                    headers=self.request_headers(),
-                    timeout=timeout,
-                )
-                try:
-                    response = await client.send(http_request, stream=True)
-                except (httpx.NetworkError, httpx.RemoteProtocolError):
-                    # the engine may close the connection of the empty answer (llama.cpp's
-                    # server resets it): the pool gave us that one; once more, on a new one
-                    response = await client.send(http_request, stream=True)
-                try:
-                    probe = EngineResponse(response, where, timeout)
-                    if not response.is_success:
-                        await self._raise_status(probe)
-                finally:
-                    await response.aclose()
+                async with self._post_plain(url, self.probe_body(body), where) as plain:
+                    status = plain.response.status_code
         except AdapterError as exc:
             return AdapterError(
                 exc.reason,
                 f"{exc.message} (the engine's answer to the request without "
                 "streaming, after an empty streamed answer)",
+                retry_after=exc.retry_after,
             )
         except httpx.HTTPError as exc:
             detail = transport_error(exc, where, timeout, streaming=False).message
@@ -709,9 +757,76 @@ class HTTPAdapter(Adapter):
             )
         return AdapterError(
             empty.reason,
-            f"{empty.message} (the same request without streaming was accepted, "
-            f"HTTP {response.status_code})",
+            f"{empty.message} (the same request without streaming was accepted, HTTP {status})",
         )
+
+    async def probe_generation(self, request: AdapterRequest) -> None:
+        """Ask the engine for the smallest answer to ``request`` it allows: the run's body
+        without streaming and for as little output as the engine allows
+        (:meth:`probe_body`: one token), its answer read whole, all within
+        :data:`PROBE_TIMEOUT` (or the adapter's ``read_timeout``, if shorter).
+
+        Returns once the engine has answered 2xx with a JSON value that is no error;
+        raises AdapterError as a run would otherwise (``unresponsive`` when the engine
+        did not answer in time).
+        """
+        url = self.url(request)
+        body = self.probe_body(self.request_body(request))
+        where = self.where(url, request.model)
+        timeout = self._probe_timeout()
+        answer: Any = None
+        try:
+            with trio.move_on_after(PROBE_TIMEOUT) as scope:
+                async with self._post_plain(url, body, where) as plain:
+                    answer = parse_json(await plain.read_all(MAX_LINE), where)
+        except httpx.HTTPError as exc:
+            raise transport_error(exc, where, timeout, streaming=False) from None
+        if scope.cancelled_caught:
+            raise AdapterError(
+                "timeout",
+                f"{where}: no answer to a request for one token within {PROBE_TIMEOUT:g}s",
+                unresponsive=True,
+            )
+        message = json_error(answer)
+        if message is not None:
+            raise AdapterError("engine_error", f"{where}: engine error: {quote(message)}")
+
+    def _probe_timeout(self) -> httpx.Timeout:
+        """The timeouts of a request for one token: :data:`PROBE_TIMEOUT`, or the
+        adapter's ``read_timeout`` if that is shorter."""
+        return httpx.Timeout(min(PROBE_TIMEOUT, self.timeout.read or PROBE_TIMEOUT))
+
+    @asynccontextmanager
+    async def _post_plain(
+        self, url: str, body: Mapping[str, Any], where: str
+    ) -> AsyncIterator[EngineResponse]:
+        """POST ``body`` (asked without streaming), with :meth:`_probe_timeout`, and yield
+        its 2xx response, unread; sent once more, on a new connection, if the pooled one
+        turns out gone (the engine may close the connection of an empty answer:
+        llama.cpp's server resets it). AdapterError for another status (with the
+        engine's message) or a body JSON cannot carry; httpx errors are raised as they
+        are. Closed on leaving."""
+        client = self.client
+        timeout = self._probe_timeout()
+        try:
+            http_request = client.build_request(
+                "POST", url, json=body, headers=self.request_headers(), timeout=timeout
+            )
+        except (TypeError, ValueError) as exc:
+            raise AdapterError(
+                "invalid_params", f"{where}: cannot send the request: {exc}"
+            ) from exc
+        try:
+            response = await client.send(http_request, stream=True)
+        except (httpx.NetworkError, httpx.RemoteProtocolError):
+            response = await client.send(http_request, stream=True)
+        plain = EngineResponse(response, where, timeout)
+        try:
+            if not response.is_success:
+                await self._raise_status(plain)
+            yield plain
+        finally:
+            await plain.aclose()
 
     @asynccontextmanager
     async def post_stream(
@@ -755,5 +870,9 @@ class HTTPAdapter(Adapter):
             pass  # the status says enough
         response = engine.response
         raise status_error(
-            response.status_code, response.reason_phrase, body[:MAX_ERROR_BODY], engine.where
+            response.status_code,
+            response.reason_phrase,
+            body[:MAX_ERROR_BODY],
+            engine.where,
+            retry_after=response.headers.get("retry-after"),
         )

@@ -55,17 +55,34 @@ class AdapterError(Exception):
     """The engine could not produce the run: the run ends FAILED with ``reason``.
 
     ``reason`` is a short stable code (``engine_error``, ``timeout``,
-    ``connection``, ``bad_response``, ``empty_response``, ...); the message
-    is for people.
+    ``connection``, ``bad_response``, ``empty_response``, ``engine_busy``, ...);
+    the message is for people. ``retry_after`` (seconds) is when the engine said to
+    ask again (its 429 or 503); the run's FAILED event carries it to the caller.
+    ``unresponsive``: the engine did not answer in time (no connection within the
+    connect timeout, or no byte for the read timeout, before the headers or between
+    two chunks); the node then takes the run's target for unavailable until a run of
+    it succeeds (see :meth:`~iop_trio.runtime.Node.probe_engines`).
     """
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(
+        self,
+        reason: str,
+        message: str,
+        *,
+        retry_after: float | None = None,
+        unresponsive: bool = False,
+    ) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
+        self.retry_after = retry_after
+        self.unresponsive = unresponsive
 
     def __repr__(self) -> str:
-        return f"AdapterError({self.reason!r}, {self.message!r})"
+        extra = "" if self.retry_after is None else f", retry_after={self.retry_after!r}"
+        if self.unresponsive:
+            extra += ", unresponsive=True"
+        return f"AdapterError({self.reason!r}, {self.message!r}{extra})"
 
 
 @attrs.frozen
@@ -112,6 +129,19 @@ class Adapter(abc.ABC):
         (the reasons of :meth:`open_stream`). Bounded in time by the adapter.
         """
         return None
+
+    async def probe_generation(self, request: AdapterRequest) -> None:
+        """Ask the engine for the smallest answer to ``request`` it allows; return once it
+        has answered. Raises AdapterError as :meth:`open_stream` does.
+
+        The node asks this, now and then, of a target whose engine did not answer a run
+        in time (:meth:`~iop_trio.runtime.Node.probe_engines`). An HTTP adapter asks for
+        one token without streaming, bounded in time; this default reads the run
+        itself to its end (an adapter whose runs may not end must bound it).
+        """
+        async with self.open_stream(request) as chunks:
+            async for _chunk in chunks:
+                pass
 
     def serves(self, model: str, served: frozenset[str]) -> bool:
         """Whether ``model`` (a target's) is among ``served`` (the engine's names)."""

@@ -41,8 +41,10 @@ Edge cases, in the order a request meets them:
   ``Retry-After``. A streaming answer's headers wait for the run to start, so
   these come as statuses, not as events in a 200 stream;
 - the run fails once started (the engine fails, the run's time or output bound):
-  502 (504 for ``run_timeout``), or in a stream that has begun, an ``error``
-  event (which the ``openai`` package raises as ``APIError``) and no ``[DONE]``;
+  502 (504 for ``run_timeout``; 429 for ``engine_busy`` and 503 for
+  ``engine_unavailable``, the engine's own 429 or 503, with ``Retry-After`` from
+  its hint), or in a stream that has begun, an ``error`` event (which the
+  ``openai`` package raises as ``APIError``) and no ``[DONE]``;
 - the client goes away before the run ends (it closes the connection, or has not
   read what it was sent for the edge's ``send_timeout``, the bound the proto-socket
   sets its slow readers): the run is cancelled with reason ``client_lost`` and its
@@ -116,6 +118,14 @@ TERMINAL_STATUS: dict[EventKind, tuple[int, str]] = {
     EventKind.FAILED: (502, "server_error"),
     EventKind.CANCELLED: (503, "server_error"),
     EventKind.INTERRUPTED: (503, "server_error"),
+}
+#: A FAILED run's reason -> (HTTP status, OpenAI error type), where not 502: the run's
+#: own time bound, and an engine that turned the run away for now (its 429 or 503, with
+#: its hint as ``Retry-After``).
+FAILED_STATUS: dict[str, tuple[int, str]] = {
+    "run_timeout": (504, "server_error"),
+    "engine_busy": (429, "rate_limit_error"),
+    "engine_unavailable": (503, "server_error"),
 }
 
 
@@ -369,8 +379,8 @@ def _finish_reason(event: RunEvent) -> str:
 def terminal_error(event: RunEvent) -> DoorError:
     """The answer for a run that ended without succeeding."""
     status, kind = TERMINAL_STATUS[event.kind]
-    if event.kind is EventKind.FAILED and event.reason == "run_timeout":
-        status = 504
+    if event.kind is EventKind.FAILED:
+        status, kind = FAILED_STATUS.get(event.reason, (status, kind))
     retry_after = event.retry_after
     if event.kind is EventKind.INTERRUPTED and retry_after is None:
         retry_after = NODE_RETRY_AFTER

@@ -63,11 +63,8 @@ from ..model import (
     check_limit,
     check_seconds,
     check_tenant_limits,
+    clamp_retry_after,
 )
-
-#: Bounds on a retry hint, in seconds.
-MIN_RETRY_AFTER = 0.1
-MAX_RETRY_AFTER = 3600.0
 
 
 class GateWithdrawn(Exception):
@@ -93,10 +90,6 @@ def _has_room(limiter: trio.CapacityLimiter) -> bool:
 EARLY_MIN_SAMPLES = 8
 
 
-def _clamp_hint(seconds: float) -> float:
-    return round(min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, seconds)), 1)
-
-
 @attrs.define(eq=False, repr=False)
 class _Rate:
     """Grants a second, as a moving average of the time between grants."""
@@ -119,7 +112,7 @@ class _Rate:
     def wait_for(self, ahead: int, fallback: float) -> float:
         """Seconds until ``ahead`` more grants, at the recent rate (``fallback`` if none)."""
         guess = fallback if self.interval is None else (ahead + 1) * self.interval
-        return _clamp_hint(guess)
+        return clamp_retry_after(guess)
 
 
 @attrs.define(eq=False, repr=False)
@@ -765,7 +758,7 @@ class Gate:
                     RejectReason.QUEUE_TIMEOUT,
                     f"about {estimate:.1f}s of queue ahead on {lane.name}, more than the "
                     f"{timeout:g}s it may wait (decided at once)",
-                    _clamp_hint(estimate - timeout),
+                    clamp_retry_after(estimate - timeout),
                 )
         return None
 

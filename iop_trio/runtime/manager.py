@@ -420,6 +420,13 @@ async def gathered(chunks: AsyncIterator[Chunk]) -> AsyncIterator[AsyncIterator[
         raise leaving
 
 
+#: Called as ``(target, sent, error)`` by a run that reached its engine and ended by
+#: itself: ``sent`` is when its request went out (``trio.current_time()``), ``error`` the
+#: AdapterError that ended it, None if it SUCCEEDED. A run that was cancelled, stopped
+#: or passed a bound of the node's own says nothing of its engine and is not told.
+EngineAnswered = Callable[[str, float, AdapterError | None], None]
+
+
 class RunManager:
     """Owns the runs of one node; see the module docstring for a run's life."""
 
@@ -436,6 +443,7 @@ class RunManager:
         new_run_id: Callable[[], str] = _new_run_id,
         wall_clock: Callable[[], float] = time.time,
         listeners: list[Callable[[RunEvent, RunRecord], None]] | None = None,
+        engine_answered: EngineAnswered | None = None,
     ) -> None:
         self._nursery = nursery
         self._gate = gate
@@ -461,6 +469,8 @@ class RunManager:
         # stored (or given up on) and the run's own live record, which they must
         # not change; one that raises is logged and skipped
         self.listeners = listeners if listeners is not None else []
+        # told what each run found of its target's engine (see EngineAnswered)
+        self._engine_answered = engine_answered
 
     def __repr__(self) -> str:
         running = sum(1 for r in self._live.values() if r.state.status is RunStatus.RUNNING)
@@ -692,6 +702,7 @@ class RunManager:
         completed = False
         output = 0
         max_output = math.inf if target.max_output_bytes is None else target.max_output_bytes
+        sent = trio.current_time()
         try:
             async with adapter.open_stream(request) as chunks, gathered(chunks) as batches:
                 async for batch in batches:
@@ -725,7 +736,11 @@ class RunManager:
                             completed = True
                     await self._emit_text(live, text)
         except AdapterError as exc:
-            return _Outcome(RunStatus.FAILED, exc.reason, exc.message)
+            if self._engine_answered is not None:
+                self._engine_answered(target.name, sent, exc)
+            return _Outcome(RunStatus.FAILED, exc.reason, exc.message, retry_after=exc.retry_after)
+        if self._engine_answered is not None:
+            self._engine_answered(target.name, sent, None)
         return _Outcome(RunStatus.SUCCEEDED, usage=usage)
 
     async def _emit_text(self, live: _LiveRun, text: list[str]) -> None:

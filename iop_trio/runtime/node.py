@@ -14,6 +14,7 @@ The node knows nothing of transports: sessions call :attr:`Node.manager` and
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -23,7 +24,7 @@ import attrs
 import trio
 
 from .. import __version__
-from ..adapters.base import Adapter, AdapterError
+from ..adapters.base import Adapter, AdapterError, AdapterRequest
 from ..model import (
     AdapterInfo,
     InvalidRequest,
@@ -45,6 +46,9 @@ from .manager import RunManager, notify
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: The prompt of a probe run (:meth:`Node.probe_engines`): any will do, for one token.
+PROBE_PROMPT = "Hi"
 
 
 @attrs.frozen
@@ -147,6 +151,12 @@ class Node:
         #: target name -> why its engine cannot serve it now (absent: available, or
         #: not probed yet); see :meth:`probe_engines`
         self.unavailable: dict[str, str] = {}
+        # what the last probe of the lists of models found (target -> why), and the
+        # targets whose engine did not answer a run in time (target -> why), with when
+        # each target was last marked so or cleared (trio time); unavailable is both
+        self._unlisted: dict[str, str] = {}
+        self._hung: dict[str, str] = {}
+        self._hung_changed: dict[str, float] = {}
         self._description = 0  # counts changes to what describe() says
         self._described = trio.Event()
         # called with (event, record) for every run event, by every RunManager this node starts
@@ -225,6 +235,7 @@ class Node:
                     final_write_timeout=self.runtime.final_write_timeout,
                     store_grace=self.runtime.store_grace,
                     listeners=self.event_listeners,
+                    engine_answered=self._run_answered,
                 )
                 self.started.set()
                 if self.runtime.probe_interval and any(a.probed for a in self._adapters.values()):
@@ -316,13 +327,22 @@ class Node:
     async def probe_engines(self) -> dict[str, str]:
         """Ask every engine which models it serves (all at once); return and keep
         :attr:`unavailable`: each target whose engine could not be reached, or does not
-        serve its model, with why. An adapter that asks nothing (echo) serves all.
+        serve its model, or did not answer a run in time, with why. An adapter that
+        asks nothing (echo) serves all.
+
+        A target whose engine did not answer a run in time (see :meth:`_run_answered`)
+        is asked, meanwhile, for the smallest generation it allows
+        (:meth:`Adapter.probe_generation`: one token, bounded by the adapter); only
+        such targets are, so a healthy engine is asked for nothing but its list. One
+        that answers is available again (if its list says so too); one that does not
+        stays unavailable for the reason it was marked with.
 
         A change is logged once (a warning when a target goes, info when it comes
         back) and wakes :meth:`wait_described`, so an edge link can tell its edge.
         Each engine's answer is bounded by its adapter (``HEALTH_TIMEOUT``).
         """
         answers: dict[str, frozenset[str] | AdapterError | None] = {}
+        answered: list[tuple[str, float]] = []  # marked targets whose probe run worked
 
         async def ask(name: str, adapter: Adapter) -> None:
             try:
@@ -330,25 +350,94 @@ class Node:
             except AdapterError as exc:
                 answers[name] = exc
 
+        async def try_run(target: TargetSpec) -> None:
+            sent = trio.current_time()
+            request = AdapterRequest(
+                run_id=f"probe:{target.name}",
+                model=target.model,
+                prompt=PROBE_PROMPT,
+                params=target.params_for({}),
+            )
+            try:
+                await self._adapters[target.adapter].probe_generation(request)
+            except AdapterError as exc:
+                log.debug("target %s: its probe run failed: %s", target.name, exc.message)
+            else:
+                answered.append((target.name, sent))
+
         used = {t.adapter for t in self.targets.values()}
         async with trio.open_nursery() as nursery:
             for name, adapter in self._adapters.items():
                 if name in used:
                     nursery.start_soon(ask, name, adapter)
-        unavailable: dict[str, str] = {}
+            for name in self._hung:
+                nursery.start_soon(try_run, self.targets[name])
+        unlisted: dict[str, str] = {}
         for name, target in self.targets.items():
             answer = answers[target.adapter]
             if isinstance(answer, AdapterError):
-                unavailable[name] = f"engine unreachable: {answer.message}"
+                unlisted[name] = f"engine unreachable: {answer.message}"
             elif answer is not None and not self._adapters[target.adapter].serves(
                 target.model, answer
             ):
                 shown = ", ".join(sorted(answer)[:10]) or "none"
-                unavailable[name] = f"the engine does not serve model {target.model!r} ({shown})"
-        self._note_unavailable(unavailable)
-        return unavailable
+                unlisted[name] = f"the engine does not serve model {target.model!r} ({shown})"
+        self._unlisted = unlisted
+        for name, sent in answered:
+            self._mark_hung(name, sent, None)
+        self._note_unavailable()
+        return dict(self.unavailable)
 
-    def _note_unavailable(self, unavailable: dict[str, str]) -> None:
+    def _run_answered(self, target: str, sent: float, error: AdapterError | None) -> None:
+        """What a run (sent at ``sent``, trio time) found of its target's engine: one that
+        got no answer in time (:attr:`AdapterError.unresponsive`: a connect or read
+        timeout) marks the target unavailable, one that succeeded clears the mark.
+
+        Only with probes (``probe_interval``) and for probed adapters: no run is routed
+        to a marked target, so a probe must try it again (see :meth:`probe_engines`).
+        Other failures change nothing (an engine that answers with an error is
+        answering; a dead one fails its list probe, ``run_timeout`` is the run's own
+        bound). A healthy target's run costs one lookup here."""
+        if error is None:
+            if target not in self._hung:
+                return
+            why = None
+        elif error.unresponsive and target not in self._hung:
+            why = f"its engine did not answer a run in time: {error.message}"
+        else:
+            return
+        probed = self._adapters[self.targets[target].adapter].probed
+        if self.runtime.probe_interval and probed and self._mark_hung(target, sent, why):
+            self._note_unavailable()
+
+    def _mark_hung(self, target: str, sent: float, why: str | None) -> bool:
+        """Mark ``target``'s engine as not answering runs (``why``), or clear the mark
+        (None), for what a run sent at ``sent`` found; True if that changed it.
+
+        A run sent before the target was last marked or cleared is ignored: it was in
+        flight across the change and says nothing of the engine since (a long stream
+        that ends well after another run got no answer; a run the engine took before
+        it recovered, timing out after a probe found it well), so the mark cannot flap
+        back and forth with runs that overlap."""
+        if sent < self._hung_changed.get(target, -math.inf):
+            return False
+        if why is None and target in self._hung:
+            del self._hung[target]
+        elif why is not None and target not in self._hung:
+            self._hung[target] = why
+        else:
+            return False
+        self._hung_changed[target] = trio.current_time()
+        return True
+
+    def _note_unavailable(self) -> None:
+        """Make :attr:`unavailable` what the probes and the runs found: a target whose
+        list says it is not served, else one whose runs get no answer, with why."""
+        unavailable = {
+            name: self._unlisted.get(name) or self._hung[name]
+            for name in self.targets
+            if name in self._unlisted or name in self._hung
+        }
         if unavailable == self.unavailable:
             return
         for name in self.targets:

@@ -25,6 +25,7 @@ import httpx
 import pytest
 import trio
 
+from iop_trio.adapters import AdapterRequest
 from iop_trio.adapters.openai import OpenAIAdapter, OpenAISettings
 from iop_trio.runtime import (
     EventKind,
@@ -33,6 +34,7 @@ from iop_trio.runtime import (
     RunRecord,
     RunSpec,
     RunStatus,
+    RuntimeLimits,
     TargetSpec,
 )
 from iop_trio.store.memory import MemoryStore
@@ -268,6 +270,59 @@ async def test_the_probe_finds_the_model_the_engine_serves(llama_server):
     unavailable = await node.probe_engines()
     assert set(unavailable) == {"llama/no-such-model"}, unavailable
     await adapter.aclose()
+
+
+async def test_the_probe_run_gets_its_token_from_the_real_engine(llama_server):
+    """What a probe asks of a target whose runs got no answer: one token, without
+    streaming, with the target's params; llama.cpp's server gives it."""
+    node = make_node(llama_server)
+    adapter = node.adapters["llama"]
+    target = node.targets[TARGET]
+    request = AdapterRequest(
+        run_id="probe", model=target.model, prompt="Hi", params=target.params_for({})
+    )
+    with trio.fail_after(RUN_TIMEOUT):
+        await adapter.probe_generation(request)
+    await adapter.aclose()
+
+
+async def test_a_run_the_busy_engine_does_not_answer_marks_the_target_until_a_probe_run(
+    llama_server,
+):
+    """The server queues a second request while it streams the first (no
+    interrupt_requests): the second gets no answer within read_timeout, so the target is
+    unavailable; once the engine is free, a probe's one-token run makes it available."""
+    adapter = OpenAIAdapter("llama", OpenAISettings(base_url=llama_server, read_timeout=2.0))
+    target = TargetSpec(
+        "llama", "gemma", concurrency=2, params={"temperature": 0.0, "seed": 1, "max_tokens": 512}
+    )
+    node = Node(
+        node_id="smoke",
+        adapters=[adapter],
+        targets=[target],
+        store=MemoryStore(),
+        limits=RuntimeLimits(probe_interval=3600),  # the test probes itself
+    )
+    async with node.running():
+        assert await node.probe_engines() == {}
+        spec = RunSpec(TARGET, prompt="Count from 1 to 500, one number per line.")
+        long_run = (await node.manager.submit(spec)).record.run_id
+        with trio.fail_after(RUN_TIMEOUT):
+            async for event in node.manager.watch(long_run):
+                if event.kind is EventKind.DELTA:
+                    break
+        queued = RunSpec(TARGET, prompt="Say hello.", options={"max_tokens": 8})
+        record, _ = await finish(node, (await node.manager.submit(queued)).record.run_id)
+        assert (record.status, record.reason) == (RunStatus.FAILED, "timeout"), record.message
+        assert "did not answer a run in time" in node.unavailable.get(TARGET, ""), node.unavailable
+        await node.manager.cancel(long_run)
+        # the engine may still be busy with what it was given: probe until it is free
+        # (each probe run waits 2 s at most), as the node's probe loop would
+        with trio.fail_after(RUN_TIMEOUT):
+            for _ in range(60):
+                if not await node.probe_engines():
+                    break
+        assert node.unavailable == {}
 
 
 async def test_the_openai_front_door_over_the_real_engine(llama_server):
