@@ -38,12 +38,14 @@ Edge cases, in the order a request meets them:
 - the run is refused by the gate (REJECTED ``queue_full`` or ``queue_timeout``):
   429 with ``Retry-After`` (whole seconds, rounded up, from the run's own hint);
   the node is draining, its store cannot write, or it was lost: 503 with
-  ``Retry-After``. A streaming answer's headers wait for the run to start, so
-  these come as statuses, not as events in a 200 stream;
+  ``Retry-After``. A streaming answer's headers wait for the engine's first
+  words, so these come as statuses, not as events in a 200 stream, and so does an
+  engine's own refusal (below);
 - the run fails once started (the engine fails, the run's time or output bound):
   502 (504 for ``run_timeout``; 429 for ``engine_busy`` and 503 for
   ``engine_unavailable``, the engine's own 429 or 503, with ``Retry-After`` from
-  its hint), or in a stream that has begun, an ``error`` event (which the
+  its hint), or in a stream that has begun (the engine failed after its first
+  words), an ``error`` event (which the
   ``openai`` package raises as ``APIError``) and no ``[DONE]``;
 - the client goes away before the run ends (it closes the connection, or has not
   read what it was sent for the edge's ``send_timeout``, the bound the proto-socket
@@ -591,9 +593,10 @@ class OpenAIFrontDoor:
     async def _stream(
         self, stream: RunStream, request: ChatRequest, created: int, send: Send
     ) -> None:
-        # the headers wait for the run to start, so a rejection is still a status
+        # the headers wait for the engine's first words (or the run's end), so a
+        # rejection, or an engine that turns the run away, is still a status
         async for event in stream:
-            if event.kind is EventKind.STARTED or event.kind is EventKind.DELTA:
+            if event.kind is EventKind.DELTA:
                 break
             if event.kind.terminal:
                 if event.kind is not EventKind.SUCCEEDED:
