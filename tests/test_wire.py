@@ -543,3 +543,32 @@ async def test_the_edge_says_who_a_run_is_for_whatever_the_caller_sent():
         assert (listed.tenant, listed.priority) == ("team-a", 2)
     with pytest.raises(ValueError, match="must be up to 128 characters"):
         Edge(token=TOKEN, client_tenant="no spaces")
+
+
+async def test_a_ping_that_meets_a_closing_socket_is_an_end_not_a_failure():
+    """trio-websocket answers a ping that comes while it closes with a pong wsproto may
+    not send then (its issue #184): the node link and the server take that for the end
+    it is, not a failure with a traceback."""
+    from iop_trio.transport.server import closing_race
+
+    near, far = trio.testing.memory_stream_pair()
+    raised: list[BaseException] = []
+    async with trio.open_nursery() as nursery:
+        accepted: list[WebSocketConnection] = []
+
+        async def accept() -> None:
+            request = await wrap_server_stream(nursery, far)
+            accepted.append(await request.accept())
+
+        nursery.start_soon(accept)
+        try:
+            async with trio.open_nursery() as inner:
+                ws = await wrap_client_stream(inner, near, "peer", "/")
+                await trio.testing.wait_all_tasks_blocked()
+                inner.start_soon(accepted[0].ping)  # the peer pings as we close (heartbeat)
+                inner.start_soon(ws.aclose, 1011, "heartbeat timeout")
+        except BaseException as exc:
+            raised.append(exc)
+        nursery.cancel_scope.cancel()
+    assert len(raised) == 1 and closing_race(raised[0])
+    assert not closing_race(ValueError("CLOSING"))

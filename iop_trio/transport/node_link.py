@@ -23,10 +23,12 @@ from trio_websocket import (
     WebSocketConnection,
 )
 
+from ..model import redact_url
 from ..protocol import Role, pb
 from ..protocol.convert import hello_from_info
 from ..runtime import Node
 from .run_service import RunService
+from .server import closing_race, lone_error
 from .session import ProtoSession, RemoteError, ReplyTimeout, SessionClosed, SessionSettings
 from .tls import OpeningTimeout, TLSFailed, open_websocket
 
@@ -85,7 +87,8 @@ class NodeLink:
 
     def __repr__(self) -> str:
         state = "connected" if self.session is not None else "disconnected"
-        return f"<NodeLink {self.node.node_id!r} -> {self.url} {state} sessions={self.sessions}>"
+        url = redact_url(self.url)
+        return f"<NodeLink {self.node.node_id!r} -> {url} {state} sessions={self.sessions}>"
 
     async def wait_connected(self) -> ProtoSession:
         """Return the current session, waiting for one if there is none."""
@@ -149,7 +152,7 @@ class NodeLink:
             log.warning(
                 "node %s: link to %s down (%s); retry in %.2fs",
                 self.node.node_id,
-                self.url,
+                redact_url(self.url),
                 self.last_error,
                 delay,
             )
@@ -157,6 +160,7 @@ class NodeLink:
 
     async def _connect_once(self) -> float | None:
         """One connection; returns when it ends (the time it came up, None if it never did)."""
+        up_since: float | None = None
         try:
             async with open_websocket(
                 self.url,
@@ -165,10 +169,15 @@ class NodeLink:
                 max_message_size=self.settings.max_message_size,
                 connect_timeout=self.connect_timeout,
             ) as ws:
-                return await self._serve(ws)
+                up_since = await self._serve(ws)
         except OpeningTimeout as exc:
             self.last_error = str(exc)
-            return None
+        except Exception as exc:
+            if not closing_race(exc):
+                raise
+            # a ping came while the session closed the socket: the end it was having
+            log.debug("node %s: %s while closing", self.node.node_id, lone_error(exc))
+        return up_since
 
     async def _restate(self, session: ProtoSession, described: int) -> None:
         """Send Hello again on ``session`` whenever what the node serves changes (a

@@ -22,6 +22,7 @@ from trio_websocket import (
     WebSocketRequest,
     wrap_server_stream,
 )
+from wsproto.utilities import LocalProtocolError
 
 from .auth import bearer_token
 from .guard import REFUSAL, ConnectionGuard, GuardedStream, open_guarded_listeners
@@ -42,6 +43,14 @@ def lone_error(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
+
+
+def closing_race(exc: BaseException) -> bool:
+    """Whether ``exc`` is trio-websocket answering a ping on a connection it is closing
+    (wsproto's "Pong cannot be sent in state LOCAL_CLOSING", trio-websocket issue #184):
+    the connection is ending anyway, so it is an end, not a failure."""
+    error = lone_error(exc)
+    return isinstance(error, LocalProtocolError) and "CLOSING" in str(error).upper()
 
 
 def shared_token(token: str | None) -> Authorize:
@@ -118,7 +127,7 @@ async def serve_proto(
                 nursery.cancel_scope.cancel()
         except Exception as raised:
             error = lone_error(raised)
-            if not isinstance(
+            if not closing_race(error) and not isinstance(
                 error, ConnectionClosed | trio.BrokenResourceError | trio.ClosedResourceError
             ):
                 log.exception("connection from %s failed", ticket.peer)
