@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import signal
 import socket
 import ssl
@@ -26,6 +27,7 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
+from contextlib import suppress
 from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
@@ -39,7 +41,7 @@ from .config import ConfigError, NodeConfig, is_loopback, load_config, split_lis
 from .lifecycle import RunState
 from .logs import escape_controls, setup_logging
 from .metrics import NodeMetrics
-from .model import Limits, RunEvent, RunRecord, RunSpec, RunStatus
+from .model import Limits, RunEvent, RunRecord, RunSpec, RunStatus, redact_url
 from .ops import OpsApp, record_json, serve_ops
 from .runtime import Node
 from .store import RunStore, StoreError
@@ -323,19 +325,24 @@ async def runs_list(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> 
         )
     finally:
         await store.aclose()
-    if ns.json:
-        json.dump([record_json(r) for r in records], out, indent=2)
-        out.write("\n")
+    if ns.json:  # JSON Lines: one run a line, so a pipe can take them one by one
+        for record in records:
+            out.write(json.dumps(record_json(record)) + "\n")
         return 0
+    # a caller chose the run id, the target and the reason (a cancel's): escaped, so no
+    # control character can forge a row or retitle the terminal
     rows = [
-        (
-            r.run_id,
-            r.target,
-            r.tenant or "-",
-            str(r.priority),
-            r.status.value + (f"({r.reason})" if r.reason else ""),
-            "bg" if r.background else "fg",
-            _when(r.created),
+        tuple(
+            escape_controls(cell)
+            for cell in (
+                r.run_id,
+                r.target,
+                r.tenant or "-",
+                str(r.priority),
+                r.status.value + (f"({r.reason})" if r.reason else ""),
+                "bg" if r.background else "fg",
+                _when(r.created),
+            )
         )
         for r in records
     ]
@@ -388,13 +395,14 @@ async def runs_show(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> 
         ("finished", _when(record.finished)),
         ("events", str(record.last_seq)),
     ] + ([("retry", f"after {record.retry_after:g}s")] if record.retry_after else []):
-        out.write(f"{key:>9}: {value}\n")
+        out.write(f"{key:>9}: {escape_controls(value)}\n")
     if record.usage is not None:
         u = record.usage
-        out.write(f"{'usage':>9}: {u.done_reason} in={u.prompt_tokens} out={u.completion_tokens}\n")
+        reason = escape_controls(u.done_reason)
+        out.write(f"{'usage':>9}: {reason} in={u.prompt_tokens} out={u.completion_tokens}\n")
     for e in events:
         detail = repr(e.text) if e.text else " ".join(x for x in (e.reason, e.message) if x)
-        out.write(f"  #{e.seq:<5} {e.kind.value:<11} {detail}\n")
+        out.write(f"  #{e.seq:<5} {e.kind.value:<11} {escape_controls(detail)}\n")
     return 0
 
 
@@ -687,7 +695,7 @@ targets:
   - {{adapter: echo, model: fast, concurrency: 4, params: {{delay: 0}}}}
 runtime: {{concurrency: 4, max_queued: 100, queue_timeout: 30, drain_timeout: 5}}
 store: {{path: demo.db}}
-metrics: {{listen: "127.0.0.1:{metrics_port}"}}
+metrics: {{listen: "127.0.0.1:{metrics_port}", token_file: demo.ops-token}}
 edge: {{url: "ws://127.0.0.1:{edge_port}/node", token_file: demo.token}}
 """
 
@@ -700,11 +708,17 @@ def _free_port() -> int:
 
 
 def _write_demo_files(folder: Path, edge_port: int, metrics_port: int) -> tuple[Path, Path]:
-    """The demo node's config and the edge's token (private), in ``folder``."""
+    """The demo node's config, the edge's token and the ops port's (a new random one,
+    so that ``runs cancel`` and ``GET /runs/<id>`` work on the demo), private, in
+    ``folder``."""
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     token_file = folder / "demo.token"
     token_file.write_text(DEMO_TOKEN + "\n")
     token_file.chmod(0o600)
+    ops_token = folder / "demo.ops-token"
+    ops_token.touch(mode=0o600)
+    ops_token.chmod(0o600)
+    ops_token.write_text(secrets.token_urlsafe(24) + "\n")
     config_path = folder / "demo.yaml"
     config_path.write_text(DEMO_CONFIG.format(metrics_port=metrics_port, edge_port=edge_port))
     return config_path, token_file
@@ -759,6 +773,7 @@ async def demo(ns: argparse.Namespace, out: TextIO) -> int:
                 f"  .venv/bin/{exe} submit --edge ws://127.0.0.1:{port} --token-file "
                 f'{token_file} --target echo/chat "stream me back"\n'
                 f"  .venv/bin/{exe} runs list --config {config_path}\n"
+                f"  .venv/bin/{exe} runs cancel RUN_ID --config {config_path}\n"
                 f"  curl -s {api}/chat/completions -H 'Authorization: Bearer {DEMO_TOKEN}' "
                 f"-H 'Content-Type: application/json' -d '{chat}'\n\n"
                 "each run is logged here as it ends; Ctrl-C stops (running runs are drained "
@@ -813,7 +828,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="only this target's runs (adapter/model[@profile])")
     p.add_argument("--tenant", help='only this tenant\'s runs ("" is the default tenant)')
     p.add_argument("--limit", type=int, default=50, help="at most this many (default %(default)s)")
-    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument(
+        "--json", action="store_true", help="one JSON object per line (JSON Lines), newest first"
+    )
     p = runs_sub.add_parser("show", help="one run, with --events its event log")
     with_config(p)
     p.add_argument("run_id", help="the run's id (as runs list shows it)")
@@ -941,9 +958,18 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     ns = _parser().parse_args(argv)
     try:
         return _command(ns, out, err)
+    except BrokenPipeError:
+        # the reader went away (`| head`): stop quietly, and let nothing flush at exit
+        with suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except BaseException as raised:
         # an expected failure says one line, even when it comes inside a nursery's group
         exc = lone_error(raised)
+        if isinstance(exc, BrokenPipeError):
+            with suppress(OSError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
         if ns.debug and not isinstance(exc, KeyboardInterrupt):
             traceback.print_exception(raised, file=err)
         if isinstance(exc, ConfigError):
@@ -980,11 +1006,15 @@ def _command(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         out.write(token_digest(token) + "\n")
         return 0
     config = load_config(ns.config)
-    if ns.command == "check-config":
-        return check_config(config, out, probe=ns.probe)
     if ns.command == "serve":
         setup_logging(config.logging.level, config.logging.format)
+        for warning in config.warnings:
+            log.warning("%s", warning)
         return trio.run(serve, config)
+    for warning in config.warnings:
+        err.write(f"iop-node: warning: {warning}\n")
+    if ns.command == "check-config":
+        return check_config(config, out, probe=ns.probe)
     setup_logging("warning")
     action = {"list": runs_list, "show": runs_show, "cancel": runs_cancel}[ns.runs_command]
     return trio.run(action, config, ns, out)
@@ -1006,9 +1036,11 @@ def check_config(config: NodeConfig, out: TextIO, *, probe: bool = False) -> int
         store=MemoryStore(),  # the configured store is not opened
     )
     config.edge_token()
+    config.edge_ssl_context()  # its key file's mode, as serve checks it
+    config.ops_token()
     limits = node.limits()
     out.write(f"{config.source}: ok\n")
-    out.write(f"  node {config.node_id}, edge {config.edge.url or '(none)'}\n")
+    out.write(f"  node {config.node_id}, edge {redact_url(config.edge.url) or '(none)'}\n")
     where = config.store.path if config.store.kind == "sqlite" else "(in memory)"
     out.write(f"  store {config.store.kind} {where}\n")
     out.write(
@@ -1044,10 +1076,10 @@ async def probe_reach(config: NodeConfig, node: Node, out: TextIO) -> bool:
         said = f"serves {target.model!r}" if why is None else f"UNAVAILABLE: {why}"
         out.write(f"  probe target {name}: {said}\n")
     if config.edge.url:
-        url = config.edge.url
+        url = redact_url(config.edge.url)
         try:
             async with open_websocket(
-                url,
+                config.edge.url,
                 token=config.edge_token(),
                 ssl_context=config.edge_ssl_context(),
                 max_message_size=config.edge.max_message_size,
@@ -1076,7 +1108,8 @@ def config_warnings(config: NodeConfig, limits: Limits) -> list[str]:
     edge_host = urlsplit(config.edge.url).hostname or ""
     if config.edge.url.startswith("ws://") and not is_loopback(edge_host):
         warnings.append(
-            f"edge.url {config.edge.url} is not TLS and not on loopback: the token and every "
+            f"edge.url {redact_url(config.edge.url)} is not TLS and not on loopback: the token "
+            "and every "
             "prompt cross the network in the clear (use wss://)"
         )
     for name, target in zip(limits.targets, config.targets, strict=True):

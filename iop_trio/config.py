@@ -8,7 +8,9 @@ e.g. ``node.yaml: runtime.concurrency: must be an integer >= 1, not 0``.
 Environment overrides: ``IOP_<PATH>`` where ``__`` separates levels and the
 value is read as a YAML scalar, so ``IOP_RUNTIME__CONCURRENCY=16``,
 ``IOP_EDGE__TOKEN=...``, ``IOP_ADAPTERS__VLLM__API_KEY=...``,
-``IOP_NODE_ID=gpu-7``. A variable naming no known key (typo) is an error.
+``IOP_NODE_ID=gpu-7``. A variable naming no known key (a typo, or a variable of
+some other tool's that starts with ``IOP_``) is ignored, and said once:
+:attr:`NodeConfig.warnings`; one naming a key with a bad value is an error.
 Targets are a list and are not overridable from the environment.
 
 A YAML mistake is one line naming the line and column where it is, in plain words
@@ -225,6 +227,8 @@ class NodeConfig:
     metrics: MetricsConfig = attrs.field(factory=MetricsConfig)
     logging: LoggingConfig = attrs.field(factory=LoggingConfig)
     source: str = "<config>"  # the file it came from, for messages
+    #: what was ignored and should be said once (IOP_* variables that name no key)
+    warnings: tuple[str, ...] = attrs.field(default=(), eq=False)
 
     def limits(self) -> RuntimeLimits:
         r = self.runtime
@@ -445,17 +449,27 @@ def _check_references(config: NodeConfig) -> None:
         _adapter_settings(registry, name, adapter, src)
 
 
-def apply_env(data: dict[str, Any], environ: Mapping[str, str], *, source: str) -> dict[str, Any]:
-    """``data`` with IOP_* overrides applied (see the module docstring)."""
+def apply_env(
+    data: dict[str, Any],
+    environ: Mapping[str, str],
+    *,
+    source: str,
+    ignored: list[str] | None = None,
+) -> dict[str, Any]:
+    """``data`` with IOP_* overrides applied (see the module docstring); a variable
+    that names no key is left out, with a line saying so appended to ``ignored``."""
     result: dict[str, Any] = _deep_copy(data)
     for var in sorted(environ):
         if not var.startswith(ENV_PREFIX) or var in _NOT_CONFIG:
             continue
         path = [p.lower() for p in var[len(ENV_PREFIX) :].split("__")]
-        if not all(path):
-            raise ConfigError(f"{var}: empty path segment (use __ between levels)")
-        if not _known_path(path, result):
-            raise ConfigError(f"{var}: names no configuration key ({'.'.join(path)})")
+        if not all(path) or not _known_path(path, result):
+            if ignored is not None:
+                ignored.append(
+                    f"{var} names no configuration key ({'.'.join(path)}); ignored "
+                    "(levels are separated by __, e.g. IOP_RUNTIME__CONCURRENCY)"
+                )
+            continue
         raw = environ[var]
         # a string key takes the text as it is (a token is not YAML); others parse as YAML
         value = raw if _takes_text(path, result) or raw == "" else parse_yaml(raw, var)
@@ -470,7 +484,7 @@ def apply_env(data: dict[str, Any], environ: Mapping[str, str], *, source: str) 
 
 
 # variables that belong to tools, not to the node's config
-_NOT_CONFIG = frozenset({"IOP_SMOKE", "IOP_CONFIG", "IOP_EDGE", "IOP_TOKEN"})
+_NOT_CONFIG = frozenset({"IOP_SMOKE", "IOP_CONFIG", "IOP_EDGE", "IOP_TOKEN", "IOP_EDGE_TOKEN"})
 
 
 def _field_type(cls: type[Any], key: str) -> Any:
@@ -543,8 +557,12 @@ def load_config(
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of keys")
-    data = apply_env(data, os.environ if environ is None else environ, source=source)
-    return relative_to(structure_config(data, source=source), Path(path).resolve().parent)
+    ignored: list[str] = []
+    data = apply_env(
+        data, os.environ if environ is None else environ, source=source, ignored=ignored
+    )
+    config = relative_to(structure_config(data, source=source), Path(path).resolve().parent)
+    return attrs.evolve(config, warnings=tuple(ignored)) if ignored else config
 
 
 class _Loader(yaml.SafeLoader):

@@ -100,14 +100,14 @@ def test_runs_list_show_and_offline_cancel(tmp_path, capsys):
     assert code == 0
     assert all(run_id in out for run_id in ids.values())
     code, out = run_cli("runs", "list", "--config", str(path), "--status", "succeeded", "--json")
-    assert [r["run_id"] for r in json.loads(out)] == ["done-1"]
+    assert [json.loads(line)["run_id"] for line in out.splitlines()] == ["done-1"]
 
     code, out = run_cli("runs", "list", "--config", str(path), "--tenant", "acme")
     assert [line.split()[:4] for line in out.splitlines()[1:]] == [
         ["done-1", "echo/m", "acme", "7"]
     ]
     code, out = run_cli("runs", "list", "--config", str(path), "--tenant", "", "--json")
-    assert {r["run_id"] for r in json.loads(out)} == {"queued-1", "running-1"}
+    assert {json.loads(line)["run_id"] for line in out.splitlines()} == {"queued-1", "running-1"}
 
     code, out = run_cli("runs", "show", "done-1", "--events", "--config", str(path))
     assert code == 0
@@ -534,3 +534,124 @@ def test_runs_commands_on_a_store_that_is_not_there_say_so(tmp_path, capsys):
             f"with this config yet (store.path in {config})\n"
         )
     assert not (tmp_path / "var").exists()  # nothing was made on the spot
+
+
+FORGED = "ops\n2099-01-01 00:00:00  forged-run  echo/m  cancelled\x1b]0;pwned\x07\x1b[31m"
+
+
+def test_what_a_caller_set_is_escaped_in_every_table_and_line(tmp_path):
+    path = write_config(tmp_path)
+    db = tmp_path / "var" / "node.db"
+    seed_store(db)
+    code, _ = run_cli("runs", "cancel", "queued-1", "--config", str(path), "--reason", FORGED)
+    assert code == 0
+    for argv in (("runs", "list"), ("runs", "show", "queued-1", "--events")):
+        code, out = run_cli(*argv, "--config", str(path))
+        assert code == 0
+        assert "\x1b" not in out and "\x07" not in out  # no escape reaches the terminal
+        assert not any(line.startswith("2099") for line in out.splitlines())  # no forged row
+        assert "\\x0a2099-01-01" in out  # the reason, shown escaped
+
+
+def test_json_lines_and_a_reader_that_goes_away(tmp_path):
+    path = write_config(tmp_path)
+    db = tmp_path / "var" / "node.db"
+
+    async def seed() -> None:  # 300 runs of 2 KB each: more than a pipe holds
+        store = SqliteStore(db)
+        for i in range(300):
+            state, first = RunState.create(
+                run_id=f"r{i}", target="echo/m", background=True, time=1.0, prompt="p" * 2000
+            )
+            await store.create(state.record, first)
+        await store.aclose()
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    trio.run(seed)
+    listed = subprocess.run(
+        [*IOP_NODE, "runs", "list", "--json", "--limit", "5", "--config", str(path)],
+        capture_output=True,
+        check=False,
+    )
+    lines = listed.stdout.decode().splitlines()
+    assert len(lines) == 5 and all(json.loads(line)["target"] == "echo/m" for line in lines)
+    # `| head -c 10`: the pipe closes at once; the command ends quietly, exit 0
+    command = " ".join(IOP_NODE) + f" runs list --json --limit 300 --config {path}"
+    piped = subprocess.run(
+        f"set -o pipefail; {command} | head -c 10 >/dev/null",
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        check=False,
+    )
+    assert (piped.returncode, piped.stderr) == (0, b""), piped.stderr.decode()
+
+
+def test_check_config_holds_the_edge_key_file_to_serves_rule_and_hides_its_password(
+    tmp_path, capsys
+):
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("edge.example")
+    key = tmp_path / "node-key.pem"
+    cert.private_key_pem.write_to_path(str(key))
+    key.chmod(0o644)
+    chain = tmp_path / "node-cert.pem"
+    cert.cert_chain_pems[0].write_to_path(str(chain))
+    edge = f"{{url: 'wss://user:PASS@edge.example/node', cert_file: {chain}, key_file: {key}}}"
+    path = write_config(tmp_path, edge=edge)
+    code, _ = run_cli("check-config", "--config", str(path))
+    err = capsys.readouterr().err
+    assert code == 2 and "may be read by others" in err and "chmod 600" in err
+    key.chmod(0o600)
+    code, out = run_cli("check-config", "--config", str(path))
+    assert code == 0
+    assert "PASS" not in out and "wss://***@edge.example/node" in out
+
+
+def test_an_unknown_iop_variable_is_a_warning_once_not_a_refusal(tmp_path, monkeypatch, capsys):
+    path = write_config(tmp_path)
+    monkeypatch.setenv("IOP_PY", "/usr/bin/python3")
+    monkeypatch.setenv("IOP_EDGE_TOKEN", "the edge's own")
+    code, out = run_cli("check-config", "--config", str(path))
+    err = capsys.readouterr().err
+    assert code == 0 and f"{path}: ok" in out
+    assert err.count("warning") == 1 and "IOP_PY names no configuration key" in err
+
+
+async def test_runs_cancel_works_on_the_running_demo(tmp_path):
+    import signal
+
+    var = tmp_path / "var"
+    ports = ("--port", "0", "--api-port", "0", "--metrics-port", "0")
+    demo = await trio.lowlevel.open_process(
+        [*IOP_NODE, "demo", *ports, "--var", str(var)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        with trio.fail_after(60):
+            assert demo.stdout is not None
+            said = b""
+            while b"Ctrl-C stops" not in said:
+                said += await demo.stdout.receive_some()
+            edge = re.search(rb"submit --edge (ws://127\.0\.0\.1:\d+)", said)
+            assert edge is not None
+            words = " ".join(["slowly"] * 200)  # echo/chat: 80 ms a word
+            submitted = await cli(
+                "submit", "--edge", edge.group(1).decode(), "--token-file",
+                str(var / "demo.token"), "--target", "echo/chat", "--background", words,
+            )  # fmt: skip
+            assert submitted.returncode == 0, submitted.stderr
+            run_id = submitted.stdout.decode().strip()
+            cancelled = await cli("runs", "cancel", run_id, "--config", str(var / "demo.yaml"))
+            assert cancelled.returncode == 0, cancelled.stderr
+            assert cancelled.stdout.decode().strip() == f"{run_id}: cancelled"
+            demo.send_signal(signal.SIGINT)
+            assert await demo.wait() == 0
+    finally:
+        if demo.returncode is None:
+            demo.kill()
+            await demo.wait()
+    assert oct((var / "demo.ops-token").stat().st_mode & 0o777) == oct(0o600)

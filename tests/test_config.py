@@ -160,8 +160,6 @@ def test_a_target_twice_is_refused():
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        ({"IOP_RUNTIME__CONCURENCY": "3"}, "IOP_RUNTIME__CONCURENCY: names no configuration key"),
-        ({"IOP_ADAPTERS__NOPE__BASE_URL": "x"}, "IOP_ADAPTERS__NOPE__BASE_URL: names no config"),
         ({"IOP_RUNTIME__CONCURRENCY": "many"}, "runtime.concurrency: must be an integer, not 'm"),
         ({"IOP_RUNTIME__CONCURRENCY": "[1"}, "IOP_RUNTIME__CONCURRENCY, line 1, column 1: this"),
     ],
@@ -314,3 +312,25 @@ def test_the_good_yaml_of_the_mistakes_is_good(tmp_path):
     path = tmp_path / "node.yaml"
     path.write_text("\n".join(GOOD_YAML) + "\n")
     assert load_config(path, environ={}).edge.url == "ws://127.0.0.1:8765/node"
+
+
+def test_a_variable_that_names_no_key_is_ignored_and_said_once(tmp_path):
+    path = tmp_path / "node.yaml"
+    path.write_text(
+        "node_id: n\nadapters: {echo: {kind: echo}}\ntargets: [{adapter: echo, model: m}]\n"
+    )
+    environ = {
+        "IOP_RUNTIME__CONCURENCY": "3",  # a typo
+        "IOP_PY": "/usr/bin/python3",  # someone else's
+        "IOP_EDGE_TOKEN": "t",  # iop-node edge's own
+        "IOP_ADAPTERS__NOPE__BASE_URL": "x",
+        "IOP_RUNTIME__MAX_QUEUED": "7",
+    }
+    config = load_config(path, environ=environ)
+    assert config.runtime.max_queued == 7
+    assert [w.split()[0] for w in config.warnings] == [
+        "IOP_ADAPTERS__NOPE__BASE_URL",
+        "IOP_PY",
+        "IOP_RUNTIME__CONCURENCY",
+    ]
+    assert "names no configuration key (runtime.concurency); ignored" in config.warnings[2]
