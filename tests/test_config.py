@@ -47,7 +47,7 @@ def test_the_example_config_is_valid_and_builds_a_node():
     assert config.metrics.address == ("127.0.0.1", 9464)
     vllm = config.target_specs()[2]
     assert "extra_body.min_p" in (vllm.allow_options or ())
-    assert vllm.option_caps == {"max_tokens": 1024}
+    assert vllm.option_caps == {"max_tokens": 1024, "presence_penalty": {"min": -1, "max": 1}}
     assert config.limits().tenants == {
         "batch": TenantLimits(weight=1, max_queued=200, concurrency=4),
         "interactive": TenantLimits(weight=3),

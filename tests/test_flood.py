@@ -9,9 +9,13 @@ failure, queue_full, and cancels from the client.
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
+import resource
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -22,13 +26,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from iop_trio.cli import StoreLock
 from iop_trio.edge import Edge
 from iop_trio.model import RunStatus
+from iop_trio.protocol import pb
 from iop_trio.runtime import EventKind, RunSpec
 from iop_trio.store.sqlite import SqliteStore
-from iop_trio.transport import RemoteError, open_runner
+from iop_trio.transport import RemoteError, ReplyTimeout, open_runner
 
 pytestmark = pytest.mark.faults
 
 TOKEN = "flood-token"
+IOP_NODE = [sys.executable, "-m", "iop_trio.cli"]
 RUNS = 10_000
 TARGETS = ("echo/ok", "echo/bad", "echo/tight", "echo/slow")
 
@@ -130,3 +136,214 @@ async def test_ten_thousand_runs_are_accounted_for_by_client_metrics_and_store(t
             assert kinds[0] is EventKind.QUEUED
     finally:
         await store.aclose()
+
+
+# --- the holes of issue 19: a handshake flood, and the default client's burst ---------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def log_file(path: Path) -> int:
+    """A file descriptor for a child's stderr (the child keeps its own copy)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+
+
+def low_file_limit(soft: int) -> Callable[[], None]:
+    def lower() -> None:
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    return lower
+
+
+async def start_edge(
+    tmp_path: Path, *, files: int | None = None
+) -> tuple[trio.Process, str, str, Path]:
+    """An `iop-node edge` process with a shared token and the OpenAI door (its open-file
+    limit lowered to ``files``); its ws:// URL, door URL and token file."""
+    token_file = tmp_path / "edge-token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    port, door = free_port(), free_port()
+    stderr = log_file(tmp_path / "edge.log")
+    process = await trio.lowlevel.open_process(
+        [
+            *IOP_NODE,
+            "edge",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--token-file",
+            str(token_file),
+            "--openai-listen",
+            f"127.0.0.1:{door}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        preexec_fn=None if files is None else low_file_limit(files),
+    )
+    os.close(stderr)  # the child has its own
+    assert process.stdout is not None
+    said = b""
+    with trio.fail_after(30):
+        while b"OpenAI-compatible API" not in said:
+            chunk = await process.stdout.receive_some()
+            assert chunk, said
+            said += chunk
+    return process, f"ws://127.0.0.1:{port}", f"http://127.0.0.1:{door}", token_file
+
+
+async def start_node(tmp_path: Path, edge_url: str, token_file: Path) -> trio.Process:
+    """An `iop-node serve` process with an echo target, dialling ``edge_url``; returns
+    once its /readyz says it is linked."""
+    config = tmp_path / "node.yaml"
+    ops = free_port()
+    config.write_text(
+        f"""
+node_id: n1
+edge: {{url: "{edge_url}/node", token_file: {token_file}, backoff_initial: 0.1, backoff_max: 0.5}}
+store: {{path: "{tmp_path / "node.db"}"}}
+adapters: {{echo: {{kind: echo}}}}
+targets: [{{adapter: echo, model: m, concurrency: 8}}]
+metrics: {{listen: "127.0.0.1:{ops}"}}
+logging: {{level: warning}}
+"""
+    )
+    stderr = log_file(tmp_path / "node.log")
+    process = await trio.lowlevel.open_process(
+        [*IOP_NODE, "serve", "--config", str(config)], stderr=stderr
+    )
+    os.close(stderr)  # the child has its own
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ops}", timeout=5) as http:
+        with trio.fail_after(30):
+            while True:  # a real process: asked every 0.1 s, bounded
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await http.get("/readyz")).status_code == 200:
+                        return process
+                await trio.sleep(0.1)
+
+
+async def stop(*processes: trio.Process) -> None:
+    for process in processes:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+    with trio.move_on_after(20):
+        for process in processes:
+            await process.wait()
+    for process in processes:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_a_handshake_flood_under_a_low_file_limit_locks_out_no_caller_and_no_node(
+    tmp_path,
+):
+    # the test holds ~900 sockets itself
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    edge, url, door, token_file = await start_edge(tmp_path, files=256)
+    node: trio.Process | None = None
+    flood: list[trio.SocketStream] = []
+    try:
+        with trio.fail_after(120):
+            port, door_port = int(url.rpartition(":")[2]), int(door.rpartition(":")[2])
+            for i in range(900):  # more than the edge may open; none ever finishes
+                to, head = (
+                    (port, b"GET /client HTTP/1.1\r\nHost: x\r\n")
+                    if i % 3
+                    else (door_port, b"POST /v1/chat/completions HTTP/1.1\r\n")
+                )
+                stream = await trio.open_tcp_stream("127.0.0.1", to)
+                with contextlib.suppress(trio.BrokenResourceError):
+                    await stream.send_all(head)
+                flood.append(stream)
+            await trio.sleep(1.2)  # the held handshakes are now old enough to give way
+            # a node dials in during the flood, and a caller submits through it
+            node = await start_node(tmp_path, url, token_file)
+            submitted = await trio.run_process(
+                [
+                    *IOP_NODE,
+                    "submit",
+                    "--edge",
+                    url,
+                    "--token-file",
+                    str(token_file),
+                    "--target",
+                    "echo/m",
+                    "through the flood",
+                ],
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )
+            assert submitted.returncode == 0, submitted.stderr.decode()
+            assert submitted.stdout.decode().strip() == "through the flood"
+            async with httpx.AsyncClient(base_url=door, timeout=10) as http:
+                answer = await http.post(
+                    "/v1/chat/completions",
+                    headers={"Authorization": f"Bearer {TOKEN}"},
+                    json={"model": "echo/m", "messages": [{"role": "user", "content": "hi"}]},
+                )
+            assert answer.status_code == 200, answer.text
+            # every flood connection is refused at once or dropped at the 10 s deadline
+            start = trio.current_time()
+            for stream in flood:
+                with trio.move_on_after(15 - (trio.current_time() - start)) as waiting:
+                    with contextlib.suppress(trio.BrokenResourceError):
+                        while await stream.receive_some():
+                            pass
+                assert not waiting.cancelled_caught, "a flood connection outlived the deadline"
+    finally:
+        for stream in flood:
+            await trio.aclose_forcefully(stream)
+        await stop(*(p for p in (node, edge) if p is not None))
+    said = (tmp_path / "edge.log").read_text()
+    assert "Traceback" not in said and "EMFILE" not in said and "Too many open files" not in said
+    assert "refused" in said  # the flood was seen, and said in a line now and then
+    assert said.count("refused") < 20
+
+
+async def test_the_default_clients_burst_of_ten_thousand_gets_an_answer_each_and_no_orphan(
+    tmp_path,
+):
+    edge, url, _, token_file = await start_edge(tmp_path)
+    node = await start_node(tmp_path, url, token_file)
+    accepted: set[str] = set()
+    refused: collections.Counter[str] = collections.Counter()
+    try:
+        with trio.fail_after(180):
+            async with open_runner(f"{url}/client", token=TOKEN) as client:  # its defaults
+
+                async def one(i: int) -> None:
+                    spec = RunSpec("echo/m", "burst", background=True, run_id=f"b{i}")
+                    try:
+                        accepted.add(await client.submit(spec))
+                    except RemoteError as exc:
+                        refused[pb.ErrorCode.Name(exc.code)] += 1
+                    except ReplyTimeout:
+                        refused["timeout"] += 1
+
+                began = trio.current_time()
+                async with trio.open_nursery() as burst:
+                    for i in range(RUNS):
+                        burst.start_soon(one, i)
+                took = trio.current_time() - began
+    finally:
+        await stop(node, edge)
+    assert refused["timeout"] == 0, refused
+    assert len(accepted) + sum(refused.values()) == RUNS
+    assert set(refused) <= {"ERROR_CODE_UNAVAILABLE"}, refused
+    store = SqliteStore(tmp_path / "node.db")
+    try:
+        stored = {r.run_id for r in await store.list_runs(limit=RUNS + 1)}
+    finally:
+        await store.aclose()
+    orphans, lost = sorted(stored - accepted), sorted(accepted - stored)
+    assert (orphans, lost) == ([], [])  # a run for every acceptance, and for nothing else
+    print(f"burst: {len(accepted)} accepted, refused {dict(refused)}, in {took:.1f}s")

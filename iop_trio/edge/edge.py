@@ -538,8 +538,10 @@ class Edge:
                 f"its sender gives up in {max(left, 0):.2f}s: too soon for a node's answer; "
                 "retry later"
             )
-        ack = left if self.ack_timeout is None else min(self.ack_timeout, left)
-        return ack, within
+        # the node answers by ``within``; waiting a little past ``left`` lets a late answer
+        # through on a busy machine (the client keeps more than that back for its answer)
+        ack = left + HOP_MARGIN / 2
+        return (ack if self.ack_timeout is None else min(self.ack_timeout, ack)), within
 
     async def _on_client_request(
         self, session: ProtoSession, request: Request, caller: Caller | None
