@@ -41,7 +41,7 @@ from .config import ConfigError, NodeConfig, is_loopback, load_config, split_lis
 from .lifecycle import RunState
 from .logs import escape_controls, setup_logging
 from .metrics import NodeMetrics
-from .model import Limits, RunEvent, RunRecord, RunSpec, RunStatus, redact_url
+from .model import InvalidRequest, Limits, RunEvent, RunRecord, RunSpec, RunStatus, redact_url
 from .ops import OpsApp, record_json, serve_ops
 from .runtime import Node
 from .store import RunStore, StoreError
@@ -547,6 +547,8 @@ def _submit_failure(exc: BaseException, url: str) -> BaseException:
     if isinstance(exc, RemoteError):
         hint = f" (retry after {exc.retry_after:g}s)" if exc.retry_after else ""
         return CliError(f"the edge refused the run: {exc}{hint}")
+    if isinstance(exc, InvalidRequest):
+        return CliError(str(exc), code=2)
     if isinstance(exc, ConnectionRejected):
         hint = " (check --token)" if exc.status_code == 401 else ""
         return CliError(f"the edge refused the connection: HTTP {exc.status_code}{hint}")

@@ -260,6 +260,14 @@ async def test_submit_says_when_to_retry_a_rejected_run():
         )  # fmt: skip
         assert bad.returncode == 1
         assert "priority must be an integer from -1000 to 1000" in bad.stderr.decode()
+        huge = await cli(
+            "submit", "--edge", s.edge.url, "--token", TOKEN, "--target", "echo/a",
+            "--priority", "99999999999", "x",
+        )  # fmt: skip
+        assert huge.returncode == 2  # more than the wire carries: one line, no traceback
+        assert huge.stderr.decode().splitlines() == [
+            "iop-node: priority must be an integer from -1000 to 1000, not 99999999999"
+        ]
 
 
 async def test_demo_once_runs_end_to_end_and_keeps_its_runs(tmp_path):

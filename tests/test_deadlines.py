@@ -33,9 +33,9 @@ from .test_wire import TOKEN, echo_node, stack
 
 
 def test_a_caller_gives_its_peer_less_time_than_it_waits_itself():
-    assert answer_within_for(ACK_TIMEOUT) == 24.0
+    assert answer_within_for(ACK_TIMEOUT) == 20.0
     assert answer_within_for(4.0) == 2.0  # at least half, at most the timeout less 2 s
-    assert answer_within_for(100.0) == 80.0
+    assert answer_within_for(100.0) == pytest.approx(66.67, abs=0.01)
     assert answer_within_for(None) == 0.0
 
 
@@ -92,12 +92,12 @@ async def test_a_waiting_request_whose_sender_gave_up_is_answered_and_never_hand
                 nursery.start_soon(ask, name)
                 await trio.testing.wait_all_tasks_blocked()
             start = trio.current_time()
-            await trio.sleep(answer_within_for(10.0) + 0.1)  # 8 s: the bound the client gave
+            await trio.sleep(answer_within_for(10.0) + 0.1)  # the bound the client gave
             assert set(answers) == {"second", "third"}  # both answered, in time (< 10 s)
             release.set()
         assert trio.current_time() - start < 10
         assert handled == [1]  # the waiting two were never handled
-        assert left[1] == pytest.approx(8.0)
+        assert left[1] == pytest.approx(answer_within_for(10.0))
         for name in ("second", "third"):
             refused = answers[name]
             assert isinstance(refused, RemoteError)

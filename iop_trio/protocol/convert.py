@@ -293,6 +293,10 @@ def spec_from_request(request: pb.RunRequest) -> RunSpec:
 
 
 def request_from_spec(spec: RunSpec) -> pb.RunRequest:
+    """The RunRequest for ``spec``; InvalidRequest for a value the wire cannot carry (a
+    priority outside int32, an option JSON cannot hold)."""
+    if not -(2**31) <= spec.priority < 2**31:
+        raise InvalidRequest(f"priority must be an integer from -1000 to 1000, not {spec.priority}")
     request = pb.RunRequest(
         target=spec.target,
         prompt=spec.prompt,
@@ -306,5 +310,8 @@ def request_from_spec(spec: RunSpec) -> pb.RunRequest:
     for role, content in spec.messages:
         request.messages.append(pb.ChatMessage(role=role, content=content))
     if spec.options:
-        request.options.CopyFrom(struct_from_dict(spec.options))
+        try:
+            request.options.CopyFrom(struct_from_dict(spec.options))
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"the run's options cannot cross the wire: {exc}") from None
     return request

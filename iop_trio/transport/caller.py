@@ -73,11 +73,12 @@ ANSWER_MARGIN = 2.0
 
 def answer_within_for(ack_timeout: float | None) -> float:
     """The bound a caller that waits ``ack_timeout`` seconds gives its peer: that, less
-    a fifth of it or :data:`ANSWER_MARGIN` (whichever is more), and at least half of it;
-    0 (no bound) for None. For the default 30 s: 24 s."""
+    a third of it or :data:`ANSWER_MARGIN` (whichever is more), and at least half of it;
+    0 (no bound) for None. For the default 30 s: 20 s (a burst's last refusals, and
+    their trip back on a busy machine, get 10 s)."""
     if ack_timeout is None or not ack_timeout > 0:
         return 0.0
-    return max(ack_timeout / 2, ack_timeout - max(ANSWER_MARGIN, ack_timeout / 5))
+    return max(ack_timeout / 2, ack_timeout - max(ANSWER_MARGIN, ack_timeout / 3))
 
 
 class RunnerClient:
