@@ -15,7 +15,6 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 import trio.testing
-from trio_websocket import wrap_client_stream, wrap_server_stream
 
 from iop_trio.edge.edge import HOP_MARGIN
 from iop_trio.model import RunSpec, RunStatus
@@ -29,7 +28,7 @@ from iop_trio.transport import (
 )
 from iop_trio.transport.caller import ACK_TIMEOUT, RunnerClient, answer_within_for
 
-from .test_wire import TOKEN, echo_node, stack
+from .test_wire import TOKEN, echo_node, stack, websocket_pair
 
 
 def test_a_caller_gives_its_peer_less_time_than_it_waits_itself():
@@ -46,21 +45,13 @@ async def pair(
     """A client session and a serving one, over an in-memory WebSocket."""
     near, far = trio.testing.memory_stream_pair()
     async with trio.open_nursery() as nursery:
-        served: list[ProtoSession] = []
-
-        async def accept() -> None:
-            request = await wrap_server_stream(nursery, far)
-            ws = await request.accept()
-            session = ProtoSession(ws, Role.RUNNER, handler=handler, settings=settings)
-            served.append(session)
-            await session.run()
-
-        nursery.start_soon(accept)
-        ws = await wrap_client_stream(nursery, near, "peer", "/")
+        ws, peer = await websocket_pair(near, far, nursery)
+        served = ProtoSession(peer, Role.RUNNER, handler=handler, settings=settings)
         client = ProtoSession(ws, Role.CLIENT, settings=SessionSettings(ping_interval=0))
+        nursery.start_soon(served.run)
         nursery.start_soon(client.run)
         await trio.testing.wait_all_tasks_blocked()
-        yield RunnerClient(client, ack_timeout=10.0), served[0]
+        yield RunnerClient(client, ack_timeout=10.0), served
         nursery.cancel_scope.cancel()
 
 

@@ -89,6 +89,26 @@ def echo_node(*targets: tuple[str, int], delay: float = 0.0, **limits: object) -
     )
 
 
+async def websocket_pair(
+    near: trio.abc.Stream,
+    far: trio.abc.Stream,
+    nursery: trio.Nursery,
+    client_nursery: trio.Nursery | None = None,
+) -> tuple[WebSocketConnection, WebSocketConnection]:
+    """Both ends of a WebSocket over a stream pair, (the client's, the server's); their
+    reader tasks in ``nursery`` (the client's in ``client_nursery`` if given)."""
+    accepted: list[WebSocketConnection] = []
+
+    async def accept() -> None:
+        request = await wrap_server_stream(nursery, far)
+        accepted.append(await request.accept())
+
+    nursery.start_soon(accept)
+    ws = await wrap_client_stream(client_nursery or nursery, near, "peer", "/")
+    await trio.testing.wait_all_tasks_blocked()
+    return ws, accepted[0]
+
+
 async def test_hello_tells_the_edge_about_targets_and_limits():
     node = echo_node(("a", 2), ("b", 3), concurrency=4)
     async with stack(node) as s:
@@ -414,16 +434,7 @@ async def test_senders_waiting_for_room_go_in_order_one_wake_up_each():
     senders = 40
     near, far = trio.testing.lockstep_stream_pair()  # a write waits for the peer's read
     async with trio.open_nursery() as nursery:
-        accepted: list[WebSocketConnection] = []
-
-        async def accept() -> None:
-            request = await wrap_server_stream(nursery, far)
-            accepted.append(await request.accept())
-
-        nursery.start_soon(accept)
-        ws = await wrap_client_stream(nursery, near, "peer", "/")
-        await trio.testing.wait_all_tasks_blocked()
-        [peer] = accepted
+        ws, peer = await websocket_pair(near, far, nursery)
         session = ProtoSession(
             ws, Role.RUNNER, settings=SessionSettings(ping_interval=0, send_buffer=1)
         )
@@ -554,18 +565,10 @@ async def test_a_ping_that_meets_a_closing_socket_is_an_end_not_a_failure():
     near, far = trio.testing.memory_stream_pair()
     raised: list[BaseException] = []
     async with trio.open_nursery() as nursery:
-        accepted: list[WebSocketConnection] = []
-
-        async def accept() -> None:
-            request = await wrap_server_stream(nursery, far)
-            accepted.append(await request.accept())
-
-        nursery.start_soon(accept)
         try:
             async with trio.open_nursery() as inner:
-                ws = await wrap_client_stream(inner, near, "peer", "/")
-                await trio.testing.wait_all_tasks_blocked()
-                inner.start_soon(accepted[0].ping)  # the peer pings as we close (heartbeat)
+                ws, peer = await websocket_pair(near, far, nursery, inner)
+                inner.start_soon(peer.ping)  # the peer pings as we close (heartbeat)
                 inner.start_soon(ws.aclose, 1011, "heartbeat timeout")
         except BaseException as exc:
             raised.append(exc)

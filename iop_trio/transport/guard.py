@@ -40,13 +40,15 @@ import collections
 import logging
 import math
 import resource
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager, suppress
+from typing import NoReturn, TypeVar
 
 import attrs
 import trio
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: Open files kept back from ``max_connections`` for everything else a process opens.
 RESERVED_FILES = 64
@@ -305,7 +307,7 @@ class GuardedStream(trio.abc.HalfCloseableStream):
     def socket(self) -> trio.socket.SocketType:
         return self.inner.socket
 
-    async def _broken(self) -> None:
+    async def _broken(self) -> NoReturn:
         ticket = self.ticket
         if not ticket.dropped:
             if ticket.proven:
@@ -315,24 +317,21 @@ class GuardedStream(trio.abc.HalfCloseableStream):
         await trio.aclose_forcefully(self.inner)
         raise trio.BrokenResourceError(f"connection from {ticket.peer} dropped: {ticket.dropped}")
 
+    async def _bounded(self, bound: float | None, wait: Callable[[], Awaitable[T]]) -> T:
+        """``await wait()`` within the ticket's bounds (:meth:`Ticket.bounded`, ``bound``
+        once proven); past them the connection is dropped and BrokenResourceError raised."""
+        with self.ticket.bounded(bound):
+            return await wait()
+        await self._broken()  # the scope was cancelled: the wait was cut short
+
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        with self.ticket.bounded(self.send_timeout) as scope:
-            await self.inner.send_all(data)
-        if scope.cancelled_caught:
-            await self._broken()
+        await self._bounded(self.send_timeout, lambda: self.inner.send_all(data))
 
     async def wait_send_all_might_not_block(self) -> None:
-        with self.ticket.bounded(self.send_timeout) as scope:
-            await self.inner.wait_send_all_might_not_block()
-        if scope.cancelled_caught:
-            await self._broken()
+        await self._bounded(self.send_timeout, self.inner.wait_send_all_might_not_block)
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        with self.ticket.bounded() as scope:
-            data = await self.inner.receive_some(max_bytes)
-        if scope.cancelled_caught:
-            await self._broken()
-        return data
+        return await self._bounded(None, lambda: self.inner.receive_some(max_bytes))
 
     async def send_eof(self) -> None:
         await self.inner.send_eof()
