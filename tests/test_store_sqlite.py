@@ -766,3 +766,28 @@ async def test_writes_nobody_waits_for_gather_until_one_somebody_waits_for(tmp_p
         assert "".join(e.text for e in await reopened.events("r1", after_seq=2)) == "a b c d e"
     finally:
         await reopened.aclose()
+
+
+# --- the file under the store ---------------------------------------------------------------
+
+
+def remove_store_files(path: Path) -> None:
+    """``rm`` the database and its WAL, as an operator might under a running node."""
+    path.unlink()
+    path.with_name(path.name + "-wal").unlink()
+
+
+async def test_a_read_never_makes_a_file_where_the_store_was(tmp_path):
+    """Readers open the file read-only: with the database and its WAL removed, a read
+    fails instead of making an empty database at the path (which the next start, or
+    ``runs list``, would then take for the store)."""
+    path = tmp_path / "node.db"
+    store = SqliteStore(path)
+    try:
+        await created(store, "r1")
+        remove_store_files(path)
+        with pytest.raises(StoreError):
+            await store.get("r1")
+        assert not path.exists()
+    finally:
+        await store.aclose()

@@ -26,7 +26,8 @@ so that an append costs one INSERT and one UPDATE; it is dropped whenever a
 job or a transaction fails, and reloaded from the file.
 
 Reads (``get``, ``list_runs``, ``events``) run in Trio worker threads on a
-small pool of separate read-only connections. In WAL mode they never block
+small pool of separate connections, opened read-only (``mode=ro``: a reader never
+creates a file where the database was). In WAL mode they never block
 the writer nor wait for it, and each read starts a fresh snapshot, so a read
 sees every write whose call has returned (those were committed first).
 
@@ -80,6 +81,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar, cast
 
 import attrs
@@ -1020,8 +1022,11 @@ class SqliteStore(RunStore):
             conn = self._idle_readers.pop() if self._idle_readers else None
         try:
             if conn is None:
+                # read-only: a reader never makes a file, so one where the store was
+                # deleted is not taken for an empty store
                 conn = sqlite3.connect(
-                    self.path,
+                    _uri(self.path, "ro"),
+                    uri=True,
                     timeout=self.busy_timeout,
                     isolation_level=None,
                     check_same_thread=False,
@@ -1048,6 +1053,11 @@ class SqliteStore(RunStore):
 
 
 # --- schema and rows -------------------------------------------------------------------------
+
+
+def _uri(path: str, mode: Literal["ro", "rw"]) -> str:
+    """A ``file:`` URI that opens ``path`` in ``mode`` and never creates it."""
+    return f"{Path(os.path.abspath(path)).as_uri()}?mode={mode}"
 
 
 def _create_private(path: str) -> None:
