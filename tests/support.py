@@ -22,6 +22,7 @@ from iop_trio.adapters.base import (
     Usage,
 )
 from iop_trio.adapters.echo import EchoAdapter
+from iop_trio.store import RunStore, StoreHealth
 
 
 @attrs.define(eq=False)
@@ -132,3 +133,28 @@ def logged(name: str) -> Iterator[list[logging.LogRecord]]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+class HealthLog:
+    """The health changes a store reports, and a way to wait for the next one."""
+
+    def __init__(self, store: RunStore, *, limit: float = 20.0) -> None:
+        self.seen: list[StoreHealth] = []
+        self.limit = limit  # seconds any wait_for may take
+        self._changed = trio.Event()
+        store.watch_health(self._on)
+
+    def __repr__(self) -> str:
+        return f"<HealthLog seen={[str(h) for h in self.seen]}>"
+
+    def _on(self, health: StoreHealth) -> None:
+        self.seen.append(health)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_for(self, writable: bool) -> StoreHealth:
+        """The latest health once it says ``writable`` (at most ``limit`` seconds)."""
+        with trio.fail_after(self.limit):
+            while not self.seen or self.seen[-1].writable is not writable:
+                await self._changed.wait()
+        return self.seen[-1]

@@ -24,11 +24,11 @@ from iop_trio.metrics import NodeMetrics
 from iop_trio.model import EventKind, RunStatus
 from iop_trio.protocol import pb
 from iop_trio.runtime import Node, RunSpec, RuntimeLimits, TargetSpec
-from iop_trio.store import StoreHealth, StoreUnavailable
+from iop_trio.store import StoreUnavailable
 from iop_trio.store.sqlite import JOURNAL_SIZE_LIMIT, SqliteStore
 from iop_trio.transport import RemoteError, open_runner
 
-from .support import ScriptedAdapter
+from .support import HealthLog, ScriptedAdapter
 from .test_store_contract import running
 from .test_wire import TOKEN, stack
 
@@ -47,26 +47,6 @@ def fill(store: SqliteStore) -> None:
 
 def lift(store: SqliteStore) -> None:
     store._test_pragmas = [UNLIMITED]
-
-
-class HealthLog:
-    """The health changes a store reports, and a way to wait for the next one."""
-
-    def __init__(self, store: SqliteStore) -> None:
-        self.seen: list[StoreHealth] = []
-        self._changed = trio.Event()
-        store.watch_health(self._on)
-
-    def _on(self, health: StoreHealth) -> None:
-        self.seen.append(health)
-        self._changed.set()
-        self._changed = trio.Event()
-
-    async def wait_for(self, writable: bool) -> StoreHealth:
-        with trio.fail_after(LIMIT):
-            while not self.seen or self.seen[-1].writable is not writable:
-                await self._changed.wait()
-        return self.seen[-1]
 
 
 @pytest.fixture

@@ -7,7 +7,11 @@ of sleeping, and every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import sqlite3
+import stat
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,11 +28,11 @@ from hypothesis import strategies as st
 from iop_trio.lifecycle import RunState
 from iop_trio.model import EventKind, RunEvent, RunRecord, RunStatus
 from iop_trio.runtime import Usage
-from iop_trio.store import RunStore, StoreError
+from iop_trio.store import RunStore, StoreError, StoreUnavailable
 from iop_trio.store.memory import MemoryStore
 from iop_trio.store.sqlite import SCHEMA_VERSION, SqliteStore
 
-from .support import logged
+from .support import HealthLog, logged
 from .test_store_contract import created, finished, new_run, running, seqs
 
 LIMIT = 20  # seconds; a generous bound for anything that waits on the writer thread
@@ -791,3 +795,76 @@ async def test_a_read_never_makes_a_file_where_the_store_was(tmp_path):
         assert not path.exists()
     finally:
         await store.aclose()
+
+
+def wal_of(path: Path) -> Path:
+    return path.with_name(path.name + "-wal")
+
+
+def stored_ids(path: str | Path) -> set[str]:
+    """The run ids in a database file, read without changing it."""
+    uri = f"{Path(path).absolute().as_uri()}?mode=ro"
+    with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:
+        return {row[0] for row in conn.execute("SELECT run_id FROM runs")}
+
+
+@pytest.mark.parametrize("how", ["deleted", "its WAL deleted", "replaced"])
+async def test_a_store_whose_file_goes_refuses_new_runs_says_so_once_and_rescues_them(
+    tmp_path, how
+):
+    """The file (or its WAL) deleted or replaced under a store: it is unwritable for good
+    (no flapping, though writes into the file it holds still go through), new runs and
+    reads are refused, one ERROR line names a rescue copy that has every run, and the
+    copy is made anew at close with what was written since."""
+    path = tmp_path / "node.db"
+    store = SqliteStore(path, check_interval=0.05)
+    health = HealthLog(store, limit=LIMIT)
+    with logged("iop_trio.store.sqlite") as records:
+        try:
+            states = [await running(store, f"r{i}") for i in range(20)]
+            await finished(store, "done")
+            if how == "its WAL deleted":
+                wal_of(path).unlink()
+            elif how == "deleted":
+                remove_store_files(path)
+            else:  # another database put in its place, in one step
+                other = SqliteStore(tmp_path / "other.db")
+                await created(other, "stranger")
+                await other.aclose()
+                os.replace(tmp_path / "other.db", path)
+            failing = await health.wait_for(writable=False)
+            said = "replaced by another file" if how == "replaced" else "deleted"
+            assert said in failing.problem
+            with pytest.raises(StoreUnavailable, match=f"cannot write: its .*{said}"):
+                await created(store, "late")
+            with pytest.raises(StoreUnavailable, match="cannot be read"):
+                await store.get("r1")
+            # the runs it has still go on (into the file it holds) and its health holds
+            with trio.fail_after(LIMIT):
+                await store.append(states[0].transition(RunStatus.SUCCEEDED, time=105.0))
+            assert not store.health().writable
+            [error] = [r for r in records if r.levelno >= logging.ERROR]
+            rescue = Path(error.rescue)
+            assert rescue.name.startswith("node.db.rescued-")
+            assert str(rescue) in error.getMessage() and said in error.getMessage()
+            assert stored_ids(rescue) == {f"r{i}" for i in range(20)} | {"done"}
+        finally:
+            with trio.fail_after(LIMIT):
+                await store.aclose()
+    assert health.seen == [failing]
+    assert [r for r in records if r.levelno >= logging.ERROR] == [error]
+    assert f"its runs are copied to {rescue}" in store.health().problem
+    assert stat.S_IMODE(os.stat(rescue).st_mode) == 0o600
+    # what an operator does: the node stopped, the copy goes where the store was
+    for leftover in (path, wal_of(path), path.with_name("node.db-shm")):
+        leftover.unlink(missing_ok=True)
+    os.replace(rescue, path)
+    again = SqliteStore(path)
+    try:
+        records_now = {r.run_id: r for r in await again.list_runs(limit=100)}
+        assert set(records_now) == {f"r{i}" for i in range(20)} | {"done"}
+        assert records_now["r0"].status is RunStatus.SUCCEEDED  # written after the rescue
+        assert records_now["r1"].status is RunStatus.RUNNING
+        assert await seqs(again, "r0") == [1, 2, 3]
+    finally:
+        await again.aclose()

@@ -57,6 +57,28 @@ fail with StoreUnavailable (their runs are INTERRUPTED at the next start).
 The WAL is checkpointed every :data:`WAL_AUTOCHECKPOINT` pages and kept to
 :data:`JOURNAL_SIZE_LIMIT` bytes.
 
+The file
+--------
+
+The store remembers which file it opened (its ``st_dev`` and ``st_ino``), and the
+writer checks every ``check_interval`` seconds (a few ``stat`` and ``access``
+calls, in its own thread), as every read does for the file alone, that the
+file at the path is still that one (and its WAL the one SQLite made), and that
+the file and its folder may be written. A file or folder that may not be
+written (a ``chmod``, a read-only mount) makes the store unwritable in
+:meth:`~SqliteStore.health` until it may be written again, logged once each
+way. A file (or WAL) deleted or replaced under the store makes it unwritable
+for good: the writer's connection still holds the old file open, so the
+runs are not lost yet, but nothing else can reach them, and the next start
+would find an empty store or another one. So ``create`` and the writer refuse
+new runs (:class:`StoreUnavailable`), reads raise StoreUnavailable, the
+writer copies everything its connection holds to ``<db>.rescued-<time>``
+(``VACUUM INTO``; tried again every check until it is made) and says in one
+ERROR line what happened and what to do; writes of the runs the node has go
+on into the old file, and when the store closes the copy is made anew with
+them. An operator stops the node, moves the copy to the path and starts it
+again, with every run it took.
+
 Cancellation
 ------------
 
@@ -128,6 +150,9 @@ _PASSING = frozenset(
         sqlite3.SQLITE_PROTOCOL,
     }
 )
+#: What makes a store unwritable, in the order its health says them: its file deleted or
+#: replaced under it, a file or folder it may not write, writes that fail.
+_PROBLEM_SOURCES = ("gone", "access", "write")
 #: Seconds the writer lets writes nobody waits for (``append_nowait``: a run's deltas)
 #: gather before it commits them, unless a write somebody waits for comes first. At a
 #: token every 20 ms a commit per delta cost more CPU than the rest of the node did.
@@ -139,6 +164,9 @@ RETRY_INITIAL = 0.05
 RETRY_MAX = 1.0
 #: After aclose(), how long writes that cannot be made are still retried (by default).
 CLOSE_TIMEOUT = 5.0
+#: Seconds between the writer's checks that the database file is the one it opened and
+#: that it and its folder may be written (see the module docstring's The file).
+CHECK_INTERVAL = 2.0
 #: The WAL is checkpointed every this many pages (4 KiB each) ...
 WAL_AUTOCHECKPOINT = 256
 #: ... and truncated to at most this many bytes when it is reset, so a small disk holds.
@@ -300,7 +328,8 @@ class SqliteStore(RunStore):
     long to wait for a lock held by another process before failing,
     ``close_timeout`` how long writes that fail are still retried after
     :meth:`aclose`, ``linger`` how long writes nobody waits for gather before they
-    are committed (see :data:`LINGER`; 0 commits them at once).
+    are committed (see :data:`LINGER`; 0 commits them at once), ``check_interval``
+    how often the writer checks the file (see the module docstring's The file).
 
     The store must be closed with :meth:`aclose`, which waits until every write
     already taken is committed. Calls after it raise StoreError.
@@ -316,19 +345,23 @@ class SqliteStore(RunStore):
         busy_timeout: float = 5.0,
         close_timeout: float = CLOSE_TIMEOUT,
         linger: float = LINGER,
+        check_interval: float = CHECK_INTERVAL,
     ) -> None:
         self.path = os.fspath(path)
         if self.path in ("", ":memory:") or self.path.startswith("file:"):
             raise ValueError(f"SqliteStore needs the path of a database file, not {self.path!r}")
         if synchronous not in ("NORMAL", "FULL"):
             raise ValueError(f"synchronous must be 'NORMAL' or 'FULL', not {synchronous!r}")
-        if max_batch < 1 or readers < 1 or busy_timeout < 0:
-            raise ValueError("max_batch and readers must be >= 1 and busy_timeout >= 0")
+        if max_batch < 1 or readers < 1 or busy_timeout < 0 or not check_interval > 0:
+            raise ValueError(
+                "max_batch and readers must be >= 1, busy_timeout >= 0, check_interval > 0"
+            )
         self.synchronous = synchronous
         self.max_batch = max_batch
         self.busy_timeout = busy_timeout
         self.close_timeout = close_timeout
         self.linger = linger
+        self.check_interval = check_interval
         # the job queue and the writer's life, guarded by _lock
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -350,11 +383,23 @@ class SqliteStore(RunStore):
         # test seam: statements the writer runs before each attempt at a batch (a test
         # fills the "disk" with PRAGMA max_page_count, then lifts it)
         self._test_pragmas: list[str] = []
-        # whether writes go through; written by the writer thread, read anywhere
+        # whether writes go through: what each of _PROBLEM_SOURCES finds wrong now (with
+        # since when), and the health they make; guarded by _health_lock, read anywhere
+        self._health_lock = threading.Lock()
+        self._problems: dict[str, tuple[float, str]] = {}
         self._health = StoreHealth()
         self._health_listeners: list[tuple[trio.lowlevel.TrioToken, HealthListener]] = []
         self._close_deadline: float | None = None  # monotonic; set by aclose()
         self._conn: sqlite3.Connection | None = None  # the writer thread's connection
+        # (st_dev, st_ino) of the database file as first opened, set before _opened
+        self._identity: tuple[int, int] | None = None
+        # the writer thread's own: its WAL's (once seen), when the next check of the file
+        # is due (monotonic), the rescue copy of a file gone (see _tend_file)
+        self._wal_identity: tuple[int, int] | None = None
+        self._next_check = 0.0
+        self._rescue_path: str | None = None
+        self._rescued = False
+        self._gone_told = False
         # the writer thread's own: partial records (see _fold_record) of the live runs it
         # has seen, as in the database, so an append needs no SELECT; cleared when in doubt
         self._folds: dict[str, RunRecord] = {}
@@ -376,6 +421,8 @@ class SqliteStore(RunStore):
             state = "opening"
         elif self._open_error is not None:
             state = "broken"
+        elif not self._health.writable:
+            state = f"open, {self._health}"
         else:
             state = "open"
         return (
@@ -402,21 +449,52 @@ class SqliteStore(RunStore):
         going through."""
         self._health_listeners.append((trio.lowlevel.current_trio_token(), listener))
 
-    def _set_health(self, health: StoreHealth) -> None:
+    def _set_problem(self, source: str, problem: str | None) -> bool:
+        """Record what ``source`` (one of :data:`_PROBLEM_SOURCES`) finds wrong now, or
+        None, and tell the listeners if that makes the store writable or not. Returns
+        whether ``source`` began or ceased to find a problem (a new text for the same
+        one is kept, and returns False). Any thread."""
+        with self._health_lock:
+            had = self._problems.get(source)
+            if problem is None:
+                self._problems.pop(source, None)
+            else:
+                self._problems[source] = (had[0] if had else time.time(), problem)
+            health = next(
+                (
+                    StoreHealth(False, *self._problems[name])
+                    for name in _PROBLEM_SOURCES
+                    if name in self._problems
+                ),
+                StoreHealth(),
+            )
+            flipped = health.writable != self._health.writable
+            self._health = health
+            if flipped:  # told in the order the changes were made
+                for token, listener in list(self._health_listeners):
+                    with contextlib.suppress(trio.RunFinishedError):
+                        token.run_sync_soon(listener, health)
+        return (had is None) != (problem is None)
+
+    def _gone(self) -> str | None:
+        """What became of the file, if it was deleted or replaced under the store."""
+        found = self._problems.get("gone")
+        return None if found is None else found[1]
+
+    def _writes_fail(self, problem: str) -> None:
         # in the writer thread
-        self._health = health
-        if health.writable:
-            log.warning("run store %s writes again", self.path)
-        else:
+        if self._set_problem("write", problem):
             log.warning(
                 "run store %s cannot write (%s); writes wait and are retried, new runs "
                 "are refused until it can",
                 self.path,
-                health.problem,
+                problem,
             )
-        for token, listener in list(self._health_listeners):
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(listener, health)
+
+    def _writes_go_through(self) -> None:
+        # in the writer thread, after each commit: only it sets "write", so the look is safe
+        if "write" in self._problems and self._set_problem("write", None):
+            log.warning("run store %s writes again", self.path)
 
     # --- the RunStore interface ----------------------------------------------------------
 
@@ -727,11 +805,14 @@ class SqliteStore(RunStore):
             self._opened.set()
         try:
             while True:
+                self._tend_file()
                 with self._lock:
-                    while not self._pending and not self._closing:
-                        self._wakeup.wait()
+                    while not self._pending and not self._closing and not self._tending_due():
+                        self._wakeup.wait(self._time_to_check())
                     if not self._pending:
-                        return  # closing, and everything taken is done
+                        if self._closing:
+                            return  # closing, and everything taken is done
+                        continue  # the file is due a check
                     self._linger()
                     batch: list[_Job[Any]] = []
                     while self._pending and len(batch) < self.max_batch:
@@ -749,6 +830,8 @@ class SqliteStore(RunStore):
                     self._run_batch(batch)
         finally:
             if self._conn is not None:
+                if self._gone() is not None:
+                    self._rescue(closing=True)
                 self._conn.close()
 
     def _linger(self) -> None:
@@ -773,10 +856,25 @@ class SqliteStore(RunStore):
             self._lingering = False
 
     def _open_writer(self) -> sqlite3.Connection:
-        _create_private(self.path)
-        conn = sqlite3.connect(
-            self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=True
-        )
+        """Open the writer's connection: the first time making the file if need be and
+        noting which it is; again (after a failure) only if it is still that file."""
+        if self._identity is None:
+            _create_private(self.path)
+            conn = sqlite3.connect(
+                self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=True
+            )
+        else:
+            gone = self._gone() or self._identity_problem(wal=False)
+            if gone is not None:
+                self._set_problem("gone", gone)
+                raise StoreUnavailable(gone)  # passing: the writes wait (for the close)
+            conn = sqlite3.connect(
+                _uri(self.path, "rw"),
+                uri=True,
+                timeout=self.busy_timeout,
+                isolation_level=None,
+                check_same_thread=True,
+            )
         try:
             _check_or_create_schema(conn)
             mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
@@ -785,6 +883,9 @@ class SqliteStore(RunStore):
             conn.execute(f"PRAGMA synchronous = {self.synchronous}")
             conn.execute(f"PRAGMA wal_autocheckpoint = {WAL_AUTOCHECKPOINT}")
             conn.execute(f"PRAGMA journal_size_limit = {JOURNAL_SIZE_LIMIT}")
+            if self._identity is None:
+                self._identity = _identity(self.path)
+            self._wal_identity = _identity(self.path + "-wal")  # SQLite makes it lazily
         except BaseException:
             conn.close()
             raise
@@ -794,6 +895,10 @@ class SqliteStore(RunStore):
         """Commit ``batch`` (retrying a passing failure, see Faults), then wake its callers."""
         attempt = 0
         while True:
+            if self._gone() is not None:
+                batch = self._refuse_creates(batch)
+                if not batch:
+                    break
             try:
                 if self._open_error is not None:
                     raise self._open_error
@@ -820,10 +925,16 @@ class SqliteStore(RunStore):
             else:
                 self._commits += committed
                 self._events += events
-                if not self._health.writable:
-                    self._set_health(StoreHealth())
+                self._writes_go_through()
+                if self._wal_identity is None:  # its first write made it
+                    self._wal_identity = _identity(self.path + "-wal")
             break
         self._jobs += len(batch)
+        self._wake_soon(batch)
+
+    def _wake_soon(self, batch: list[_Job[Any]]) -> None:
+        """Have each job's Trio run wake its callers (one call per run), or log the error
+        of a job nobody waits for."""
         by_token: dict[trio.lowlevel.TrioToken, list[_Job[Any]]] = {}
         for job in batch:
             by_token.setdefault(job.token, []).append(job)
@@ -836,15 +947,167 @@ class SqliteStore(RunStore):
             with contextlib.suppress(trio.RunFinishedError):  # nobody left to tell
                 token.run_sync_soon(self._wake, jobs)
 
+    def _refuse_creates(self, batch: list[_Job[Any]]) -> list[_Job[Any]]:
+        """With the file gone: refuse the batch's creates (StoreUnavailable), which its
+        rescue copy could miss, and return the other jobs. Those runs were never
+        acknowledged; the runs the node has go on being written."""
+        refused = [job for job in batch if job.label == "create"]
+        if not refused:
+            return batch
+        for job in refused:
+            job.error = StoreUnavailable(f"the run store cannot write: {self._gone()}")
+        self._jobs += len(refused)
+        self._wake_soon(refused)
+        return [job for job in batch if job.label != "create"]
+
+    # --- the file under the store (in the writer thread, but for _identity_problem) -------
+
+    def _tending_due(self) -> bool:
+        """Whether the file is due a check, or is gone and the writer has not said so."""
+        if self._identity is None:  # never opened: nothing to check
+            return False
+        return time.monotonic() >= self._next_check or (
+            not self._gone_told and self._gone() is not None
+        )
+
+    def _time_to_check(self) -> float | None:
+        """Seconds until the file is due a check (None: never)."""
+        if self._identity is None:
+            return None
+        return max(0.0, self._next_check - time.monotonic())
+
+    def _tend_file(self, *, now: bool = False) -> None:
+        """When due (or ``now``): see that the file (and the WAL) is the one opened, and
+        that the file and its folder may be written; tell the health what is wrong. A file
+        gone is rescued (see :meth:`_rescue`) and never checked again."""
+        if self._identity is None or not (now or self._tending_due()):
+            return
+        self._next_check = time.monotonic() + self.check_interval
+        if self._gone() is None:
+            if self._wal_identity is None:
+                self._wal_identity = _identity(self.path + "-wal")
+            gone = self._identity_problem(wal=True)
+            if gone is None:
+                problem = _access_problem(self.path)
+                if self._set_problem("access", problem):
+                    if problem is None:
+                        log.warning("run store %s may be written again", self.path)
+                    else:
+                        log.warning(
+                            "run store %s cannot be written: %s; new runs are refused until it can",
+                            self.path,
+                            problem,
+                        )
+                return
+            self._set_problem("gone", gone)
+        if not self._rescued:
+            self._rescue()
+
+    def _identity_problem(self, *, wal: bool) -> str | None:
+        """What became of the file the store opened (and, with ``wal``, of its WAL) if it is
+        not at the path any more: deleted, or replaced by another. None if it is, or if
+        that cannot be told (a folder that may not be searched: the access check says it).
+        Any thread; with ``wal`` only the writer's (which makes the WAL anew)."""
+        names = [(self.path, self._identity, "file")]
+        if wal:
+            names.append((self.path + "-wal", self._wal_identity, "WAL"))
+        for name, opened, what in names:
+            if opened is None:
+                continue
+            try:
+                now = _identity(name, missing_ok=False)
+            except FileNotFoundError:
+                return f"its {what} {name} was deleted while the node had it open"
+            except OSError:
+                return None
+            if now != opened:
+                return f"its {what} {name} was replaced by another file while the node had it open"
+        return None
+
+    def _rescue(self, *, closing: bool = False) -> None:
+        """With the file gone: copy what the writer's connection still holds (every run
+        the node took) to the rescue file, ``<db>.rescued-<time>``, 0600; the first time,
+        say in one ERROR line what happened and what to do. ``closing``: make the copy
+        anew (beside it, then put in its place), with everything written since."""
+        gone = self._gone()
+        assert gone is not None
+        target, conn, why = self._rescue_path, self._conn, ""
+        if conn is None or conn.in_transaction:
+            why = "the node does not hold it open: it let go of it after a write failed"
+        else:
+            try:
+                made = _new_private_file(
+                    f"{self.path}.rescued-" if target is None else f"{target}.part-"
+                )
+                try:
+                    conn.execute("VACUUM INTO ?", (made,))
+                    if target is not None:
+                        os.replace(made, target)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(made)
+                    raise
+            except (sqlite3.Error, OSError) as exc:
+                why = f"{type(exc).__name__}: {exc}"
+            else:
+                if target is None:
+                    self._rescue_path = made
+                    self._set_problem("gone", f"{gone}; its runs are copied to {made}")
+        rescued, self._rescued = self._rescued, self._rescued or not why
+        extra = {"store": self.path, "rescue": self._rescue_path}
+        if not self._gone_told:
+            self._gone_told = True
+            if not why:
+                log.error(
+                    "run store %s: %s; new runs are refused. Every run the node took is "
+                    "copied to %s (made again when the node stops): stop the node, remove "
+                    "%s-wal and %s-shm, move the copy to %s and start the node again",
+                    *(self.path, gone, self._rescue_path, self.path, self.path, self.path),
+                    extra=extra,
+                )
+            else:
+                log.error(
+                    "run store %s: %s; new runs are refused, and no copy of its runs could "
+                    "be made (%s): make its folder writable (or free space) and keep the "
+                    "node running; it tries again every %gs and when it stops, and logs "
+                    "where the copy is",
+                    *(self.path, gone, why, self.check_interval),
+                    extra=extra,
+                )
+        elif closing and not why:
+            log.warning(
+                "run store %s: its rescue copy %s has every run as the node left it: move "
+                "it to %s (remove %s-wal and %s-shm first) before the next start",
+                *(self.path, self._rescue_path, self.path, self.path, self.path),
+                extra=extra,
+            )
+        elif closing:
+            log.warning(
+                "run store %s: no rescue copy could be made when the node stopped (%s)%s",
+                self.path,
+                why,
+                f"; {self._rescue_path} has the runs as they were" if rescued else "",
+                extra=extra,
+            )
+        elif not why:
+            log.warning(
+                "run store %s: every run the node took is copied to %s at last: stop the "
+                "node, remove %s-wal and %s-shm, move the copy to %s and start it again",
+                *(self.path, self._rescue_path, self.path, self.path, self.path),
+                extra=extra,
+            )
+
     def _wait_to_retry(self, problem: str, attempt: int) -> bool:
         """After a passing failure: say so, drop the connection, wait the backoff.
-        False once the store is closing and its ``close_timeout`` is over."""
-        if self._health.writable:
-            self._set_health(StoreHealth(False, time.time(), problem))
-        if self._conn is not None:
+        False once the store is closing and its ``close_timeout`` is over. A store whose
+        file is gone keeps its connection: it is the only way left to its runs."""
+        self._writes_fail(problem)
+        self._tend_file(now=True)
+        if self._conn is not None and self._gone() is None:
             with contextlib.suppress(sqlite3.Error):
                 self._conn.close()
             self._conn = None  # a fresh one for the next attempt
+            self._wal_identity = None  # closing the last connection may delete the WAL
         delay = min(RETRY_MAX, RETRY_INITIAL * 2 ** min(attempt, 16))
         deadline = self._close_deadline
         if deadline is not None:
@@ -1016,6 +1279,15 @@ class SqliteStore(RunStore):
         self._opened.wait()
         if self._open_error is not None:
             raise StoreError(str(self._open_error)) from self._open_error
+        gone = self._gone()
+        if gone is None:
+            gone = self._identity_problem(wal=False)  # a stat: each read looks too
+            if gone is not None:
+                self._set_problem("gone", gone)
+                with self._lock:
+                    self._wakeup.notify()  # the writer rescues the runs and says what to do
+        if gone is not None:
+            raise StoreUnavailable(f"the run store cannot be read: {gone}")
         with self._readers_lock:
             if self._readers_closed:
                 raise StoreError(f"the store {self.path!r} is closed")
@@ -1058,6 +1330,52 @@ class SqliteStore(RunStore):
 def _uri(path: str, mode: Literal["ro", "rw"]) -> str:
     """A ``file:`` URI that opens ``path`` in ``mode`` and never creates it."""
     return f"{Path(os.path.abspath(path)).as_uri()}?mode={mode}"
+
+
+def _identity(path: str, *, missing_ok: bool = True) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of ``path``: which file it is; None if there is none (with
+    ``missing_ok``; else FileNotFoundError)."""
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        if missing_ok:
+            return None
+        raise
+    return found.st_dev, found.st_ino
+
+
+_EFFECTIVE_IDS = os.access in os.supports_effective_ids
+
+
+def _access_problem(path: str) -> str | None:
+    """Why this process may not write the database file or its folder (where SQLite
+    makes its WAL and shared-memory files), or None."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.access(folder, os.W_OK | os.X_OK, effective_ids=_EFFECTIVE_IDS):
+        return (
+            f"its folder {folder} may not be written by the node (make it writable, or "
+            "remount its file system read-write)"
+        )
+    if not os.access(path, os.W_OK, effective_ids=_EFFECTIVE_IDS):
+        return (
+            f"its file {path} may not be written by the node (chmod u+w it, or remount its "
+            "file system read-write)"
+        )
+    return None
+
+
+def _new_private_file(prefix: str) -> str:
+    """Make a new empty file ``<prefix><time>`` (``-2``, ``-3``... after it if taken),
+    0600, and return its path: what ``VACUUM INTO`` may write (it holds every prompt)."""
+    stamp = prefix + time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1, 101):
+        name = stamp if n == 1 else f"{stamp}-{n}"
+        try:
+            os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            continue
+        return name
+    raise FileExistsError(f"{stamp} and 99 more names after it are taken")
 
 
 def _create_private(path: str) -> None:
@@ -1120,9 +1438,12 @@ def _check_or_create_schema(conn: sqlite3.Connection) -> None:
 
 
 def _passing(exc: BaseException) -> str | None:
-    """What went wrong, if ``exc`` (or its cause) is a passing SQLite failure; else None."""
+    """What went wrong, if ``exc`` (or its cause) is a passing SQLite failure (or the
+    store's own StoreUnavailable); else None."""
     seen: BaseException | None = exc
     while seen is not None:
+        if isinstance(seen, StoreUnavailable):
+            return str(seen)
         code = getattr(seen, "sqlite_errorcode", None)
         if isinstance(seen, sqlite3.Error) and code is not None and code & 0xFF in _PASSING:
             return str(seen) or type(seen).__name__
