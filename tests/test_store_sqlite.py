@@ -12,9 +12,10 @@ import logging
 import os
 import sqlite3
 import stat
+import subprocess
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -866,5 +867,65 @@ async def test_a_store_whose_file_goes_refuses_new_runs_says_so_once_and_rescues
         assert records_now["r0"].status is RunStatus.SUCCEEDED  # written after the rescue
         assert records_now["r1"].status is RunStatus.RUNNING
         assert await seqs(again, "r0") == [1, 2, 3]
+    finally:
+        await again.aclose()
+
+
+@contextlib.contextmanager
+def read_only(path: Path) -> Iterator[None]:
+    """Make ``path`` (a file or a folder) one this process may not write, for the block:
+    ``chmod a-w``, or for root (whom modes do not stop) the immutable attribute
+    (``chattr +i``); skips the test where neither can be had."""
+    if os.geteuid() != 0:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        path.chmod(mode & ~0o222)
+        try:
+            yield
+        finally:
+            path.chmod(mode)
+        return
+    done = subprocess.run(["chattr", "+i", str(path)], capture_output=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot make {path} immutable: {done.stderr.decode().strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+@pytest.mark.parametrize("what", ["file", "folder"])
+async def test_a_store_it_may_not_write_is_reported_until_it_may_again(tmp_path, what):
+    """A read-only file or folder (its WAL and shared memory are made there) is found by
+    the check: the store is unwritable, new runs are refused, reads go on; once it may
+    be written again, so may the store. Logged once each way."""
+    folder = tmp_path / "var"
+    folder.mkdir()
+    path = folder / "node.db"
+    store = SqliteStore(path, check_interval=0.05)
+    health = HealthLog(store, limit=LIMIT)
+    with logged("iop_trio.store.sqlite") as records:
+        try:
+            await created(store, "r1")
+            with read_only(path if what == "file" else folder):
+                failing = await health.wait_for(writable=False)
+                assert f"its {what} {path if what == 'file' else folder} may not be written" in (
+                    failing.problem
+                )
+                with pytest.raises(StoreUnavailable, match="may not be written"):
+                    await created(store, "r2")
+                assert await store.get("r1") is not None  # reads go on
+            await health.wait_for(writable=True)
+            await created(store, "r3")
+        finally:
+            await store.aclose()
+    assert [h.writable for h in health.seen] == [False, True]
+    said = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    assert said == [
+        f"run store {path} cannot be written: {failing.problem}; new runs are refused until it can",
+        f"run store {path} may be written again",
+    ]
+    again = SqliteStore(path)
+    try:
+        assert [r.run_id for r in await again.list_runs()] == ["r3", "r1"]
     finally:
         await again.aclose()
