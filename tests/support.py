@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import stat
+import subprocess
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any
 
 import attrs
+import pytest
 import trio
 
 from iop_trio.adapters.base import (
@@ -158,3 +163,25 @@ class HealthLog:
             while not self.seen or self.seen[-1].writable is not writable:
                 await self._changed.wait()
         return self.seen[-1]
+
+
+@contextmanager
+def read_only(path: Path) -> Iterator[None]:
+    """Make ``path`` (a file or a folder) one this process may not write, for the block:
+    ``chmod a-w``, or for root (whom modes do not stop) the immutable attribute
+    (``chattr +i``); skips the test where neither can be had."""
+    if os.geteuid() != 0:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        path.chmod(mode & ~0o222)
+        try:
+            yield
+        finally:
+            path.chmod(mode)
+        return
+    done = subprocess.run(["chattr", "+i", str(path)], capture_output=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot make {path} immutable: {done.stderr.decode().strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)

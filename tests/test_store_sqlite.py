@@ -12,10 +12,9 @@ import logging
 import os
 import sqlite3
 import stat
-import subprocess
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from iop_trio.store import RunStore, StoreError, StoreUnavailable
 from iop_trio.store.memory import MemoryStore
 from iop_trio.store.sqlite import SCHEMA_VERSION, SqliteStore
 
-from .support import HealthLog, logged
+from .support import HealthLog, logged, read_only
 from .test_store_contract import created, finished, new_run, running, seqs
 
 LIMIT = 20  # seconds; a generous bound for anything that waits on the writer thread
@@ -869,28 +868,6 @@ async def test_a_store_whose_file_goes_refuses_new_runs_says_so_once_and_rescues
         assert await seqs(again, "r0") == [1, 2, 3]
     finally:
         await again.aclose()
-
-
-@contextlib.contextmanager
-def read_only(path: Path) -> Iterator[None]:
-    """Make ``path`` (a file or a folder) one this process may not write, for the block:
-    ``chmod a-w``, or for root (whom modes do not stop) the immutable attribute
-    (``chattr +i``); skips the test where neither can be had."""
-    if os.geteuid() != 0:
-        mode = stat.S_IMODE(path.stat().st_mode)
-        path.chmod(mode & ~0o222)
-        try:
-            yield
-        finally:
-            path.chmod(mode)
-        return
-    done = subprocess.run(["chattr", "+i", str(path)], capture_output=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"cannot make {path} immutable: {done.stderr.decode().strip()}")
-    try:
-        yield
-    finally:
-        subprocess.run(["chattr", "-i", str(path)], check=True)
 
 
 @pytest.mark.parametrize("what", ["file", "folder"])
