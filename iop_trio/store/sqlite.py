@@ -84,11 +84,17 @@ Cancellation
 
 ``append`` takes the event before its first checkpoint; if the caller is
 cancelled while waiting, the event is still written, in order. ``create``,
-``interrupt_unfinished`` and ``prune`` are all-or-nothing: cancelled before
-the writer has taken the job, nothing happens and :class:`trio.Cancelled` is
-raised; once taken, the call waits for the commit and returns normally (the
-cancellation is delivered at the caller's next checkpoint). Reads are not
-interrupted once their thread runs.
+``interrupt_unfinished`` and ``prune`` are all-or-nothing: cancelled while the
+writer is not committing the job (before it took the job, or between two
+attempts at a batch that failed for a passing reason, see Faults), it is
+withdrawn, nothing happens and :class:`trio.Cancelled` is raised; cancelled
+during an attempt, the call waits for that attempt: committed, it returns
+normally (the cancellation is delivered at the caller's next checkpoint), else
+it raises StoreUnavailable and nothing happens. So a caller can bound a create
+by cancelling it (the run manager does, by ``store_grace``), and no run it gave
+up on is stored later. A batch whose every job is withdrawn is done; the writer
+then learns when writes go through again by a probe (see
+:meth:`SqliteStore._probe`). Reads are not interrupted once their thread runs.
 """
 
 from __future__ import annotations
@@ -167,6 +173,12 @@ CLOSE_TIMEOUT = 5.0
 #: Seconds between the writer's checks that the database file is the one it opened and
 #: that it and its folder may be written (see the module docstring's The file).
 CHECK_INTERVAL = 2.0
+#: Bytes a probe writes (see SqliteStore._probe): what the writes given up on needed,
+#: within these bounds.
+PROBE_MIN = 4096
+PROBE_MAX = 1024 * 1024
+#: The run id of a probe's row; no run has it (a run id starts with a letter or digit).
+_PROBE_RUN = "\x00probe"
 #: The WAL is checkpointed every this many pages (4 KiB each) ...
 WAL_AUTOCHECKPOINT = 256
 #: ... and truncated to at most this many bytes when it is reset, so a small disk holds.
@@ -272,9 +284,12 @@ class _Job(Generic[T]):
         "done",
         "error",
         "events",
+        "given_up",
         "label",
         "plan",
         "result",
+        "settled",
+        "size",
         "taken",
         "task",
         "token",
@@ -292,8 +307,10 @@ class _Job(Generic[T]):
         withdrawable: bool,
         events: int = 0,
         plan: tuple[Any, ...] | None = None,
+        size: int = 0,
     ) -> None:
         self.label = label
+        self.size = size  # about how many bytes it writes (the room a probe asks for)
         self.work = work
         self.plan = plan
         self.withdrawable = withdrawable
@@ -305,9 +322,13 @@ class _Job(Generic[T]):
         self.waited = True
         # called (in the Trio thread) once it is committed
         self.done: Callable[[], None] | None = None
-        # guarded by the store's lock
+        # guarded by the store's lock: taken into a batch; left out of the batch's next
+        # attempt (a withdrawable job cancelled while not being committed); its caller gave
+        # up while an attempt was on (it ends with that attempt); the writer is done with it
         self.taken = False
         self.withdrawn = False
+        self.given_up = False
+        self.settled = False
         # written by the writer thread before the wake-up
         self.result: T | None = None
         self.error: StoreError | None = None
@@ -391,6 +412,10 @@ class SqliteStore(RunStore):
         self._health_listeners: list[tuple[trio.lowlevel.TrioToken, HealthListener]] = []
         self._close_deadline: float | None = None  # monotonic; set by aclose()
         self._conn: sqlite3.Connection | None = None  # the writer thread's connection
+        # guarded by _lock: the writer is in an attempt at a batch (see _write)
+        self._attempting = False
+        # the writer thread's own: the room the last batch given up on needed (see _probe)
+        self._probe_size = PROBE_MIN
         # (st_dev, st_ino) of the database file as first opened, set before _opened
         self._identity: tuple[int, int] | None = None
         # the writer thread's own: its WAL's (once seen), when the next check of the file
@@ -524,7 +549,9 @@ class SqliteStore(RunStore):
         (checked before anything is written), or if ``record.options`` cannot be
         JSON (options are stored as JSON: a tuple comes back as a list, a
         non-string key as a string), and StoreUnavailable at once while the store
-        cannot write. All or nothing under cancellation (see the module docstring).
+        cannot write. All or nothing under cancellation, however long the writes fail:
+        cancelled while not being committed, it is withdrawn and never written (see the
+        module docstring's Cancellation).
         """
         health = self._health
         if not health.writable:
@@ -556,7 +583,8 @@ class SqliteStore(RunStore):
                 self._folds[record.run_id] = attrs.evolve(kept)
 
         plan = ("create", record.run_id, row, event_rows, kept)
-        job = _Job("create", work, withdrawable=True, events=len(event_rows), plan=plan)
+        size = sum(len(v) for r in (row, *event_rows) for v in r if isinstance(v, str))
+        job = _Job("create", work, withdrawable=True, events=len(event_rows), plan=plan, size=size)
         await self._write(job)
 
     async def append(self, event: RunEvent) -> None:
@@ -756,7 +784,14 @@ class SqliteStore(RunStore):
                 self._thread.start()
 
     async def _write(self, job: _Job[T]) -> T:
-        """Queue ``job`` now (no checkpoint before), then wait for its batch to commit."""
+        """Queue ``job`` now (no checkpoint before), then wait for its batch to commit.
+
+        A withdrawable job cancelled while the writer is not committing it (still queued,
+        or between two attempts at a batch that failed) is withdrawn: nothing of it is
+        written, and Cancelled is raised at once. Cancelled during an attempt, it ends
+        with that attempt (short): committed, it returns (the cancellation is delivered
+        at the caller's next checkpoint); else it is withdrawn then, and raises the
+        attempt's StoreUnavailable. Any other job is written all the same."""
         self._start()
         with self._lock:
             if self._closing:
@@ -767,10 +802,12 @@ class SqliteStore(RunStore):
         def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
             if job.withdrawable:
                 with self._lock:
-                    if job.taken:
+                    if not job.taken:
+                        self._pending.remove(job)
+                    elif job.settled or self._attempting:
+                        job.given_up = True
                         return trio.lowlevel.Abort.FAILED  # the writer will wake us
                     job.withdrawn = True
-                    self._pending.remove(job)
             job.task = None
             return trio.lowlevel.Abort.SUCCEEDED
 
@@ -805,7 +842,8 @@ class SqliteStore(RunStore):
             self._opened.set()
         try:
             while True:
-                self._tend_file()
+                if self._tend_file() and "write" in self._problems and not self._pending:
+                    self._probe()  # writes fail, and none is left to find when they do not
                 with self._lock:
                     while not self._pending and not self._closing and not self._tending_due():
                         self._wakeup.wait(self._time_to_check())
@@ -817,9 +855,9 @@ class SqliteStore(RunStore):
                     batch: list[_Job[Any]] = []
                     while self._pending and len(batch) < self.max_batch:
                         job = self._pending.popleft()
-                        if not job.withdrawn:
-                            job.taken = True
-                            batch.append(job)
+                        job.taken = True
+                        batch.append(job)
+                    self._attempting = True  # the first attempt at it begins now
                 if batch:
                     hook = self._before_batch
                     if hook is not None:
@@ -892,13 +930,24 @@ class SqliteStore(RunStore):
         return conn
 
     def _run_batch(self, batch: list[_Job[Any]]) -> None:
-        """Commit ``batch`` (retrying a passing failure, see Faults), then wake its callers."""
+        """Commit ``batch`` (retrying a passing failure, see Faults), then wake its callers.
+
+        Between two attempts its withdrawable jobs may be withdrawn (see :meth:`_write`):
+        the next attempt leaves them out, and a batch left with none is done. Its callers
+        given up during an attempt that failed are woken with StoreUnavailable."""
         attempt = 0
+        room = sum(job.size for job in batch)  # what a probe asks for if all is withdrawn
         while True:
-            if self._gone() is not None:
+            with self._lock:
+                batch = [job for job in batch if not job.withdrawn]
+                self._attempting = bool(batch)
+            if batch and self._gone() is not None:
                 batch = self._refuse_creates(batch)
-                if not batch:
-                    break
+            if not batch:
+                self._probe_size = room
+                break
+            for job in batch:
+                job.error = None  # an earlier attempt's refusal is made again, or not
             try:
                 if self._open_error is not None:
                     raise self._open_error
@@ -909,10 +958,14 @@ class SqliteStore(RunStore):
                 committed, events = self._transaction(self._conn, batch)
             except Exception as exc:
                 passing = _passing(exc)
-                if passing is not None and self._wait_to_retry(passing, attempt):
-                    attempt += 1
-                    continue
                 if passing is not None:
+                    self._writes_fail(passing)
+                    batch = self._give_up(batch, passing)
+                    if not batch:
+                        continue  # to the end above: nothing is left to write
+                    if self._wait_to_retry(passing, attempt):
+                        attempt += 1
+                        continue
                     error: StoreError = StoreUnavailable(
                         f"the run store could not write before it closed: {passing}"
                     )
@@ -929,8 +982,33 @@ class SqliteStore(RunStore):
                 if self._wal_identity is None:  # its first write made it
                     self._wal_identity = _identity(self.path + "-wal")
             break
-        self._jobs += len(batch)
-        self._wake_soon(batch)
+        self._settle(batch, last=True)
+
+    def _give_up(self, batch: list[_Job[Any]], problem: str) -> list[_Job[Any]]:
+        """After a failed attempt: end the jobs whose callers gave up during it (with
+        StoreUnavailable: nothing of them was written); return the others. From now until
+        the next attempt the batch's withdrawable jobs may be withdrawn."""
+        with self._lock:
+            self._attempting = False
+            given_up = [job for job in batch if job.given_up]
+        if not given_up:
+            return batch
+        for job in given_up:
+            job.result = None
+            job.error = StoreUnavailable(f"the run store cannot write: {problem}")
+        self._settle(given_up)
+        return [job for job in batch if not job.given_up]
+
+    def _settle(self, jobs: list[_Job[Any]], *, last: bool = False) -> None:
+        """The writer is done with ``jobs`` (their result or error is set): wake them.
+        ``last``: they are what is left of the batch, which is done too."""
+        with self._lock:  # at once: a job is never seen neither settled nor attempted
+            if last:
+                self._attempting = False
+            for job in jobs:
+                job.settled = True
+        self._jobs += len(jobs)
+        self._wake_soon(jobs)
 
     def _wake_soon(self, batch: list[_Job[Any]]) -> None:
         """Have each job's Trio run wake its callers (one call per run), or log the error
@@ -956,8 +1034,7 @@ class SqliteStore(RunStore):
             return batch
         for job in refused:
             job.error = StoreUnavailable(f"the run store cannot write: {self._gone()}")
-        self._jobs += len(refused)
-        self._wake_soon(refused)
+        self._settle(refused)
         return [job for job in batch if job.label != "create"]
 
     # --- the file under the store (in the writer thread, but for _identity_problem) -------
@@ -976,12 +1053,13 @@ class SqliteStore(RunStore):
             return None
         return max(0.0, self._next_check - time.monotonic())
 
-    def _tend_file(self, *, now: bool = False) -> None:
+    def _tend_file(self, *, now: bool = False) -> bool:
         """When due (or ``now``): see that the file (and the WAL) is the one opened, and
         that the file and its folder may be written; tell the health what is wrong. A file
-        gone is rescued (see :meth:`_rescue`) and never checked again."""
+        gone is rescued (see :meth:`_rescue`) and never checked again. Returns whether it
+        looked."""
         if self._identity is None or not (now or self._tending_due()):
-            return
+            return False
         self._next_check = time.monotonic() + self.check_interval
         if self._gone() is None:
             if self._wal_identity is None:
@@ -998,10 +1076,49 @@ class SqliteStore(RunStore):
                             self.path,
                             problem,
                         )
-                return
+                return True
             self._set_problem("gone", gone)
         if not self._rescued:
             self._rescue()
+        return True
+
+    def _probe(self) -> None:
+        """While writes fail and none is left to try (their callers gave up on them):
+        write a row of the size they needed and delete it, two commits, to learn whether
+        the store writes again; its health says so either way. The row is an event of a
+        run that cannot exist (:data:`_PROBE_RUN`), which nothing reads."""
+        size = min(PROBE_MAX, max(PROBE_MIN, self._probe_size))
+        try:
+            if self._open_error is not None:
+                return
+            if self._conn is None:
+                self._conn = self._open_writer()
+            conn = self._conn
+            for statement in self._test_pragmas:
+                conn.execute(statement)
+            with self._undone_on_error(conn):
+                conn.execute("BEGIN IMMEDIATE")
+                conn.execute("DELETE FROM events WHERE run_id = ?", (_PROBE_RUN,))
+                conn.execute(
+                    f"INSERT INTO events ({_EVENT_COLUMNS}) "
+                    "VALUES (?, 0, 'probe', 0, zeroblob(?), '', '', NULL, NULL)",
+                    (_PROBE_RUN, size),
+                )
+                conn.execute("COMMIT")
+            conn.execute("DELETE FROM events WHERE run_id = ?", (_PROBE_RUN,))
+        except Exception as exc:
+            passing = _passing(exc)
+            if passing is None:
+                log.warning("run store %s: a probe of its writes failed: %s", self.path, exc)
+                return
+            self._writes_fail(passing)
+            if self._conn is not None and self._gone() is None:
+                with contextlib.suppress(sqlite3.Error):
+                    self._conn.close()
+                self._conn = None  # a fresh one next time, as for a batch
+                self._wal_identity = None
+            return
+        self._writes_go_through()
 
     def _identity_problem(self, *, wal: bool) -> str | None:
         """What became of the file the store opened (and, with ``wal``, of its WAL) if it is
