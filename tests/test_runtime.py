@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
@@ -12,6 +12,7 @@ import trio.testing
 
 from iop_trio.adapters import Adapter, AdapterError
 from iop_trio.adapters.echo import EchoAdapter, EchoSettings
+from iop_trio.model import RunEvent
 from iop_trio.runtime import (
     AdapterSlot,
     EventKind,
@@ -916,3 +917,56 @@ async def test_a_waiting_run_is_data_its_task_starts_when_it_is_admitted(autojum
             assert record.retry_after is not None
         assert node.gate.statistics().queued == 0
         assert adapter.started == [first, queued[1]]
+
+
+class HeldDurable(MemoryStore):
+    """Takes each event at once, but tells ``on_durable`` only when released: a STARTED
+    whose commit is on its way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[Callable[[], None]] = []
+
+    def append_nowait(
+        self, event: RunEvent, *, on_durable: Callable[[], None] | None = None
+    ) -> None:
+        super().append_nowait(event)
+        if on_durable is not None:
+            self.held.append(on_durable)
+
+    def release(self) -> None:
+        held, self.held = self.held, []
+        for on_durable in held:
+            on_durable()
+
+
+async def test_a_run_cancelled_while_its_started_is_being_stored_keeps_a_whole_log():
+    """A run let in from the queue hands STARTED to the store and streams meanwhile; its
+    first delta waits for STARTED to be durable. Cancelled then, the delta (its seq is
+    taken) is stored all the same, so the CANCELLED after it is not refused for a gap
+    (a flood of cancels left runs RUNNING in the store that their callers saw end)."""
+    store = HeldDurable()
+    node, adapter = make_node(store=store, a_limit=1)
+    async with node.running():
+        first = await submit(node)
+        second = await submit(node)  # waits for the one permit of A
+        adapter.script(first).finish()
+        await trio.testing.wait_all_tasks_blocked()
+        assert adapter.started == [first, second]
+        assert len(store.held) == 1  # the second's STARTED, not yet durable
+        adapter.script(second).delta("tok")
+        await trio.testing.wait_all_tasks_blocked()  # its delta waits for STARTED
+        node.manager.cancel_nowait(second, "client_lost")
+        await trio.testing.wait_all_tasks_blocked()
+        store.release()
+        await node.manager.wait_idle()
+        assert await kinds(node, second) == [
+            EventKind.QUEUED,
+            EventKind.STARTED,
+            EventKind.DELTA,
+            EventKind.CANCELLED,
+        ]
+        record = await node.store.get(second)
+        assert record is not None
+        assert (record.status, record.reason) == (RunStatus.CANCELLED, "client_lost")
+        assert [e.seq for e in await node.manager.events(second)] == [1, 2, 3, 4]

@@ -807,8 +807,15 @@ class RunManager:
             started, durable = live.held
             try:
                 await durable.wait()
-            finally:  # taken by the store: published even if the wait was cancelled
+            except BaseException:
+                # cancelled: STARTED is taken by the store, and this event is made (its
+                # seq is taken), so it is handed over too, in order, and both published;
+                # left out, its run's end would be refused for the gap
                 self._publish_held(live, started)
+                self._store.append_nowait(event)
+                self._published(live, event)
+                raise
+            self._publish_held(live, started)
         if event.kind is EventKind.DELTA and live.unsynced < SYNC_EVERY:
             live.unsynced += 1
             self._store.append_nowait(event)
