@@ -906,3 +906,60 @@ async def test_a_store_it_may_not_write_is_reported_until_it_may_again(tmp_path,
         assert [r.run_id for r in await again.list_runs()] == ["r3", "r1"]
     finally:
         await again.aclose()
+
+
+class Said(logging.Handler):
+    """Set once a record of ``level`` or above whose message has ``words`` is logged (in
+    any thread); :meth:`wait` for it from Trio."""
+
+    def __init__(self, logger: str, words: str, level: int = logging.DEBUG) -> None:
+        super().__init__(level)
+        self.words = words
+        self.records: list[logging.LogRecord] = []
+        self._said = threading.Event()
+        logging.getLogger(logger).addHandler(self)
+        self._logger = logger
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.words in record.getMessage():
+            self.records.append(record)
+            self._said.set()
+
+    async def wait(self) -> logging.LogRecord:
+        assert await trio.to_thread.run_sync(self._said.wait, LIMIT), f"never said {self.words}"
+        return self.records[0]
+
+    def close(self) -> None:
+        logging.getLogger(self._logger).removeHandler(self)
+        super().close()
+
+
+async def test_a_store_gone_whose_copy_cannot_be_made_yet_says_why_and_tries_again(tmp_path):
+    """Its folder may not be written when the file goes: the ERROR line says no copy could
+    be made, and why; the writer tries at each check, and says where the copy is once
+    the folder may be written again (a WARNING: the ERROR stays the one line)."""
+    folder = tmp_path / "var"
+    folder.mkdir()
+    path = folder / "node.db"
+    store = SqliteStore(path, check_interval=0.05)
+    failed = Said("iop_trio.store.sqlite", "no copy of its runs could be made")
+    copied = Said("iop_trio.store.sqlite", "copied to", logging.WARNING)
+    with logged("iop_trio.store.sqlite") as records:
+        try:
+            await created(store, "r1")
+            remove_store_files(path)
+            with read_only(folder):
+                error = await failed.wait()
+                assert error.levelno == logging.ERROR
+            later = await copied.wait()
+        finally:
+            failed.close()
+            copied.close()
+            await store.aclose()
+    assert [r for r in records if r.levelno >= logging.ERROR] == [error]
+    assert "it tries again every 0.05s" in error.getMessage()
+    assert "at last" in later.getMessage()
+    rescue = Path(later.rescue)
+    assert f"its runs are copied to {rescue}" in store.health().problem
+    assert stored_ids(rescue) == {"r1"}
+    assert [p.name for p in folder.iterdir() if ".part-" in p.name] == []

@@ -179,6 +179,29 @@ PROBE_MIN = 4096
 PROBE_MAX = 1024 * 1024
 #: The run id of a probe's row; no run has it (a run id starts with a letter or digit).
 _PROBE_RUN = "\x00probe"
+#: What the store logs of a file gone under it (see SqliteStore._rescue): once, at ERROR,
+#: whether its runs could be copied or not; then as a copy is made later, or at the close.
+_GONE_COPIED = (
+    "run store %(db)s: %(gone)s; new runs are refused. Every run the node took is copied "
+    "to %(copy)s (made again when the node stops): stop the node, remove %(db)s-wal and "
+    "%(db)s-shm, move the copy to %(db)s and start the node again"
+)
+_GONE_NOT_COPIED = (
+    "run store %(db)s: %(gone)s; new runs are refused, and no copy of its runs could be "
+    "made (%(why)s): make its folder writable (or free space) and keep the node running; "
+    "it tries again every %(every)gs and when it stops, and logs where the copy is"
+)
+_COPIED_AT_LAST = (
+    "run store %(db)s: every run the node took is copied to %(copy)s at last: stop the "
+    "node, remove %(db)s-wal and %(db)s-shm, move the copy to %(db)s and start it again"
+)
+_COPIED_AT_CLOSE = (
+    "run store %(db)s: its rescue copy %(copy)s has every run as the node left it: move it "
+    "to %(db)s (remove %(db)s-wal and %(db)s-shm first) before the next start"
+)
+_NOT_COPIED_AT_CLOSE = (
+    "run store %(db)s: no rescue copy could be made when the node stopped (%(why)s)%(had)s"
+)
 #: The WAL is checkpointed every this many pages (4 KiB each) ...
 WAL_AUTOCHECKPOINT = 256
 #: ... and truncated to at most this many bytes when it is reset, so a small disk holds.
@@ -1170,49 +1193,23 @@ class SqliteStore(RunStore):
                 if target is None:
                     self._rescue_path = made
                     self._set_problem("gone", f"{gone}; its runs are copied to {made}")
-        rescued, self._rescued = self._rescued, self._rescued or not why
+        had_copy, self._rescued = self._rescued, self._rescued or not why
+        words = {
+            "db": self.path,
+            "gone": gone,
+            "copy": self._rescue_path,
+            "why": why,
+            "every": self.check_interval,
+            "had": f"; {self._rescue_path} has the runs as they were" if had_copy else "",
+        }
         extra = {"store": self.path, "rescue": self._rescue_path}
         if not self._gone_told:
             self._gone_told = True
-            if not why:
-                log.error(
-                    "run store %s: %s; new runs are refused. Every run the node took is "
-                    "copied to %s (made again when the node stops): stop the node, remove "
-                    "%s-wal and %s-shm, move the copy to %s and start the node again",
-                    *(self.path, gone, self._rescue_path, self.path, self.path, self.path),
-                    extra=extra,
-                )
-            else:
-                log.error(
-                    "run store %s: %s; new runs are refused, and no copy of its runs could "
-                    "be made (%s): make its folder writable (or free space) and keep the "
-                    "node running; it tries again every %gs and when it stops, and logs "
-                    "where the copy is",
-                    *(self.path, gone, why, self.check_interval),
-                    extra=extra,
-                )
-        elif closing and not why:
-            log.warning(
-                "run store %s: its rescue copy %s has every run as the node left it: move "
-                "it to %s (remove %s-wal and %s-shm first) before the next start",
-                *(self.path, self._rescue_path, self.path, self.path, self.path),
-                extra=extra,
-            )
+            log.error(_GONE_NOT_COPIED if why else _GONE_COPIED, words, extra=extra)
         elif closing:
-            log.warning(
-                "run store %s: no rescue copy could be made when the node stopped (%s)%s",
-                self.path,
-                why,
-                f"; {self._rescue_path} has the runs as they were" if rescued else "",
-                extra=extra,
-            )
+            log.warning(_NOT_COPIED_AT_CLOSE if why else _COPIED_AT_CLOSE, words, extra=extra)
         elif not why:
-            log.warning(
-                "run store %s: every run the node took is copied to %s at last: stop the "
-                "node, remove %s-wal and %s-shm, move the copy to %s and start it again",
-                *(self.path, self._rescue_path, self.path, self.path, self.path),
-                extra=extra,
-            )
+            log.warning(_COPIED_AT_LAST, words, extra=extra)
 
     def _wait_to_retry(self, problem: str, attempt: int) -> bool:
         """After a passing failure: say so, drop the connection, wait the backoff.
