@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
@@ -29,6 +30,7 @@ from iop_trio.runtime import (
     UnknownTarget,
 )
 from iop_trio.runtime.manager import EVENT_WINDOW
+from iop_trio.store import StoreUnavailable
 from iop_trio.store.memory import MemoryStore
 
 from .support import ScriptedAdapter
@@ -970,3 +972,55 @@ async def test_a_run_cancelled_while_its_started_is_being_stored_keeps_a_whole_l
         assert record is not None
         assert (record.status, record.reason) == (RunStatus.CANCELLED, "client_lost")
         assert [e.seq for e in await node.manager.events(second)] == [1, 2, 3, 4]
+
+
+class CommitsIn(MemoryStore):
+    """A create takes ``seconds`` (the writer's attempt at it: a cancel waits for it), or
+    never ends (its caller may give up on it: nothing is stored)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    async def create(self, record, event, *, then=()):  # type: ignore[no-untyped-def]
+        if self.seconds == math.inf:
+            await trio.sleep_forever()
+        with trio.CancelScope(shield=True):
+            await trio.sleep(self.seconds)
+            await super().create(record, event, then=then)
+
+
+@pytest.mark.parametrize("room", [True, False])
+async def test_a_run_not_stored_within_its_create_timeout_is_refused_and_forgotten(
+    autojump_clock, room
+):
+    store = CommitsIn(0.0)
+    node, adapter = make_node(store=store)
+    async with node.running():
+        if not room:
+            busy = await submit(node)  # A's one permit
+        store.seconds = math.inf
+        start = trio.current_time()
+        with pytest.raises(StoreUnavailable, match=r"did not store the run within 3s"):
+            await node.manager.submit(RunSpec(A, "p", run_id="r1"), create_timeout=3.0)
+        assert trio.current_time() - start == pytest.approx(3.0)
+        assert await node.store.get("r1") is None
+        assert node.manager.live_count() == (0 if room else 1)
+        assert borrowed(node) == ((0, 0, 0, 0) if room else (1, 0, 1, 1))
+        store.seconds = 0.0
+        if not room:
+            adapter.script(busy).finish()
+        again = await submit(node, run_id="r1")  # the line of runs being stored moved on
+        assert adapter.started[-1] == again
+
+
+async def test_a_run_committed_as_its_create_timeout_passes_is_created(autojump_clock):
+    """The bound passes while the store is committing the run (a short attempt): the
+    caller waits for it, and the run exists."""
+    node, adapter = make_node(store=CommitsIn(5.0))
+    async with node.running():
+        submitted = await node.manager.submit(RunSpec(A, "p"), create_timeout=1.0)
+        assert trio.current_time() == pytest.approx(5.0)
+        assert await node.store.get(submitted.record.run_id) is not None
+        await trio.testing.wait_all_tasks_blocked()
+        assert adapter.started == [submitted.record.run_id]
