@@ -65,7 +65,8 @@ class StoreLock:
     """An exclusive ``flock`` on ``<db>.lock``: one node per database file.
 
     ``acquire`` raises CliError when another process holds it; ``held_elsewhere``
-    tells without taking it.
+    tells without taking it, and ``holder`` what the holder noted, without making or
+    writing anything. A node notes its ops URL and which file its store is.
     """
 
     def __init__(self, db_path: str) -> None:
@@ -76,8 +77,11 @@ class StoreLock:
         return f"<StoreLock {self.path} {'held' if self._fd is not None else 'free'}>"
 
     def _try(self) -> bool:
-        Path(self.path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            Path(self.path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise CliError(f"cannot open the store's lock {self.path}: {exc.strerror}", 2) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -105,6 +109,21 @@ class StoreLock:
         except OSError:
             return []
 
+    def holder(self) -> list[str] | None:
+        """What the process holding the lock wrote (its pid, then its notes), or None
+        when none holds it (or there is no lock file). Makes and writes nothing."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return self.read()
+        finally:
+            os.close(fd)  # and with it a shared lock taken
+        return None
+
     def held_elsewhere(self) -> bool:
         if self._try():
             self.release()
@@ -117,14 +136,72 @@ class StoreLock:
             self._fd = None
 
 
+#: How a node notes in its lock which file its store is: ``store <st_dev>:<st_ino>``.
+STORE_NOTE = "store "
+
+
+def store_note(db_path: str) -> str:
+    """The note that says which file ``db_path`` is now (see :data:`STORE_NOTE`)."""
+    found = os.stat(db_path)
+    return f"{STORE_NOTE}{found.st_dev}:{found.st_ino}"
+
+
 def require_store(config: NodeConfig) -> None:
-    """CliError unless the config names a store that a node has kept runs in."""
+    """CliError unless the config names a store that a node has kept runs in, and, if a
+    node runs on it, the file that node has open (not one put in its place)."""
     if config.store.kind == "memory":
         raise CliError(f"{config.source}: store.kind is memory, so the node keeps no runs to read")
-    if not Path(config.store.path).exists():
+    path = config.store.path
+    holder = StoreLock(path).holder()
+    noted = [n for n in holder or () if n.startswith(STORE_NOTE)]
+    if holder and noted:
+        try:
+            now: str | None = store_note(path)
+        except OSError:
+            now = None
+        if now != noted[0]:
+            raise CliError(
+                f"the run store {path} was {'deleted' if now is None else 'replaced'} under "
+                f"the node that runs on it (pid {holder[0]}): that node refuses new runs, and "
+                "an ERROR line in its log names the copy it made of its runs "
+                "(docs/operations.md, 'When the store file is deleted')"
+            )
+    if not Path(path).exists():
         raise CliError(
             f"no run store at {config.store.path}: no node has run with this config yet "
             f"(store.path in {config.source})"
+        )
+
+
+def check_store_writable(config: NodeConfig) -> None:
+    """CliError (exit 2) unless this process may write the store the config names: its
+    folder (made 0700 if need be; SQLite makes its WAL, and the node its lock, there) and
+    the file, if there is one. A mode, an owner, a read-only mount or an immutable file
+    can each forbid it."""
+    if config.store.kind != "sqlite":
+        return
+    db = Path(config.store.path)
+    elsewhere = f"point store.path (in {config.source}) at one it may"
+    effective = os.access in os.supports_effective_ids
+    try:
+        db.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliError(
+            f"cannot make the run store's folder {db.parent}: {exc.strerror}; make it, or "
+            f"{elsewhere}",
+            code=2,
+        ) from None
+    if not os.access(db.parent, os.W_OK | os.X_OK, effective_ids=effective):
+        raise CliError(
+            f"the node may not write the run store's folder {db.parent}: make it writable "
+            f"for this user, or {elsewhere}",
+            code=2,
+        )
+    if db.exists() and not os.access(db, os.W_OK, effective_ids=effective):
+        raise CliError(
+            f"the node may not write the run store's file {db}: make it writable for this "
+            f"user (chmod u+w), or {elsewhere}",
+            code=2,
         )
 
 
@@ -193,6 +270,7 @@ async def serve(
     """
     from .transport import Backoff, NodeLink, SessionSettings
 
+    check_store_writable(config)
     lock = StoreLock(config.store.path) if config.store.kind == "sqlite" else None
     if lock is not None:
         lock.acquire()
@@ -211,6 +289,7 @@ async def serve(
         ops_stop = trio.Event()
         async with node.running(), trio.open_nursery() as ops:
             # the ops endpoints outlive the rest, so /healthz says "draining" during a drain
+            notes: list[str] = []  # for the lock, the ops URL first
             if config.metrics.address is not None:
                 host, port = config.metrics.address
                 app = OpsApp(
@@ -226,8 +305,9 @@ async def serve(
                         f"cannot listen on {host}:{port} (metrics.listen): {exc.strerror or exc}"
                     ) from None
                 log.info("metrics on http://%s:%d/metrics", host, bound)
-                if lock is not None:
-                    lock.note(f"http://{host}:{bound}")
+                notes.append(f"http://{host}:{bound}")
+            if lock is not None:  # the store is open: which file it is, for the runs commands
+                lock.note(*notes, store_note(config.store.path))
             async with trio.open_nursery() as nursery:
                 link: NodeLink | None = None
                 if config.edge.url:
@@ -438,7 +518,7 @@ async def runs_cancel(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -
 async def _cancel_via_node(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> int:
     import httpx
 
-    notes = StoreLock(config.store.path).read()[1:]
+    notes = [n for n in StoreLock(config.store.path).read()[1:] if n.startswith("http")]
     if not notes:
         raise CliError(
             "a node is running on this store but has no ops endpoint (metrics.listen is "

@@ -118,7 +118,8 @@ class RuntimeConfig:
     max_prompt_bytes: int | None = attrs.field(default=4 * 1024 * 1024, validator=_int_at_least(1))
     max_output_bytes: int | None = attrs.field(default=16 * 1024 * 1024, validator=_int_at_least(1))
     max_run_time: float | None = attrs.field(default=3600.0, validator=_positive)
-    store_grace: float = attrs.field(default=10.0, validator=_non_negative)
+    # bounds a run's creation too, so 0 would refuse every run
+    store_grace: float = attrs.field(default=10.0, validator=_positive)
     early_reject: bool = False
     #: seconds between asks of each engine which models it serves (null: never)
     probe_interval: float | None = attrs.field(default=30.0, validator=_positive)

@@ -278,7 +278,9 @@ METRICS: tuple[MetricInfo, ...] = (
         "iop_store_writable",
         "gauge",
         (),
-        "1 while the run store's writes go through; 0 while they fail (disk full, I/O error).",
+        "1 while the run store's writes go through; 0 while they fail (disk full, I/O error) "
+        "or it may not be written (its file or folder read-only, its file deleted or "
+        "replaced: for good, see the log).",
     ),
 )
 #: What prometheus_client's ProcessCollector adds (Linux), so a node's CPU, memory and

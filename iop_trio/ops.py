@@ -15,7 +15,9 @@ Routes (served on ``metrics.listen``):
 
 A path no route matches gets 404; a known path asked with another method 405
 with ``Allow``; ``HEAD`` is answered like ``GET``, without the body. The run
-routes answer 503 while the node is not running.
+routes answer 503 while the node is not running, and 503 with the store's
+error (JSON, as every run route's error) when it must read a store that
+cannot answer (its file deleted under the node, say).
 
 The run routes show prompts and cancel runs, so they need the ops token
 (``Authorization: Bearer <metrics.token>``; 401 otherwise, and always 401 with
@@ -41,6 +43,7 @@ from prometheus_client import make_asgi_app
 from .metrics import NodeMetrics
 from .model import RunRecord, UnknownRun
 from .runtime import Node
+from .store import StoreError
 from .transport.asgi import (
     Receive,
     Scope,
@@ -131,7 +134,11 @@ class OpsApp:
             await self._authorized(scope, send)
         ):
             return
-        await handler(scope, receive, send, args)
+        try:
+            await handler(scope, receive, send, args)
+        except StoreError as exc:  # raised before the handler answered
+            # the store cannot answer (deleted under the node, say; it logged why once)
+            await respond_json(send, {"error": str(exc)}, 503)
 
     async def _authorized(self, scope: Scope, send: Send) -> bool:
         """Whether the request bears the ops token; if not, answer 401 (and False).

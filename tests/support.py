@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import stat
+import subprocess
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any
 
 import attrs
+import pytest
 import trio
 
 from iop_trio.adapters.base import (
@@ -22,6 +27,7 @@ from iop_trio.adapters.base import (
     Usage,
 )
 from iop_trio.adapters.echo import EchoAdapter
+from iop_trio.store import RunStore, StoreHealth
 
 
 @attrs.define(eq=False)
@@ -132,3 +138,50 @@ def logged(name: str) -> Iterator[list[logging.LogRecord]]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+class HealthLog:
+    """The health changes a store reports, and a way to wait for the next one."""
+
+    def __init__(self, store: RunStore, *, limit: float = 20.0) -> None:
+        self.seen: list[StoreHealth] = []
+        self.limit = limit  # seconds any wait_for may take
+        self._changed = trio.Event()
+        store.watch_health(self._on)
+
+    def __repr__(self) -> str:
+        return f"<HealthLog seen={[str(h) for h in self.seen]}>"
+
+    def _on(self, health: StoreHealth) -> None:
+        self.seen.append(health)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_for(self, writable: bool) -> StoreHealth:
+        """The latest health once it says ``writable`` (at most ``limit`` seconds)."""
+        with trio.fail_after(self.limit):
+            while not self.seen or self.seen[-1].writable is not writable:
+                await self._changed.wait()
+        return self.seen[-1]
+
+
+@contextmanager
+def read_only(path: Path) -> Iterator[None]:
+    """Make ``path`` (a file or a folder) one this process may not write, for the block:
+    ``chmod a-w``, or for root (whom modes do not stop) the immutable attribute
+    (``chattr +i``); skips the test where neither can be had."""
+    if os.geteuid() != 0:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        path.chmod(mode & ~0o222)
+        try:
+            yield
+        finally:
+            path.chmod(mode)
+        return
+    done = subprocess.run(["chattr", "+i", str(path)], capture_output=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot make {path} immutable: {done.stderr.decode().strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)

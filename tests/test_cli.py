@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import re
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -17,6 +19,7 @@ from iop_trio.cli import CliError, StoreLock, main
 from iop_trio.runtime import RunState, RunStatus
 from iop_trio.store.sqlite import SqliteStore
 
+from .support import read_only
 from .test_wire import TOKEN, echo_node, stack
 
 IOP_NODE = [sys.executable, "-m", "iop_trio.cli"]
@@ -663,3 +666,73 @@ async def test_runs_cancel_works_on_the_running_demo(tmp_path):
             demo.kill()
             await demo.wait()
     assert oct((var / "demo.ops-token").stat().st_mode & 0o777) == oct(0o600)
+
+
+@contextlib.asynccontextmanager
+async def serving_node(config: Path) -> AsyncIterator[trio.Process]:
+    """``iop-node serve`` of ``config`` as a real process, once it says it serves; stopped
+    (SIGTERM) at the end."""
+    process = await trio.lowlevel.open_process(
+        [*IOP_NODE, "serve", "--config", str(config)], stderr=subprocess.PIPE
+    )
+    try:
+        assert process.stderr is not None
+        said = b""
+        with trio.fail_after(30):
+            while b" serving " not in said:
+                chunk = await process.stderr.receive_some()
+                assert chunk, f"the node ended: {said.decode()}"
+                said += chunk
+        yield process
+    finally:
+        process.terminate()
+        with trio.CancelScope(shield=True), trio.fail_after(30):
+            await process.wait()
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+async def test_runs_commands_on_a_store_gone_from_under_its_node_say_so(tmp_path, how):
+    """With the file a running node has open deleted, or another put in its place (as
+    an old reader once made an empty one), ``runs list`` and ``runs show`` say so in one
+    line and fail, rather than read nothing or another store."""
+    config = write_config(tmp_path)
+    db = tmp_path / "var" / "node.db"
+    async with serving_node(config) as node:
+        db.unlink()
+        db.with_name("node.db-wal").unlink(missing_ok=True)
+        if how == "replaced":
+            db.touch(mode=0o600)
+        for argv in (["runs", "list"], ["runs", "show", "r1"]):
+            result = await cli(*argv, "--config", str(config))
+            assert (result.returncode, result.stdout) == (1, b"")
+            assert result.stderr.decode() == (
+                f"iop-node: the run store {db} was {how} under the node that runs on it "
+                f"(pid {node.pid}): that node refuses new runs, and an ERROR line in its log "
+                "names the copy it made of its runs (docs/operations.md, 'When the store "
+                "file is deleted')\n"
+            )
+    assert db.exists() is (how == "replaced")
+    if how == "replaced":
+        assert db.stat().st_size == 0  # nothing was made in it
+
+
+@pytest.mark.parametrize("what", ["folder", "file"])
+async def test_serve_on_a_store_it_may_not_write_says_so_in_one_line(tmp_path, what):
+    config = write_config(tmp_path)
+    folder = tmp_path / "var"
+    db = folder / "node.db"
+    await trio.to_thread.run_sync(seed_store, db)  # a store a node kept before
+    with read_only(folder if what == "folder" else db):
+        result = await cli("serve", "--config", str(config))
+    stderr = result.stderr.decode()
+    assert "Traceback" not in stderr
+    fix = (
+        "make it writable for this user, or point store.path"
+        if what == "folder"
+        else "make it writable for this user (chmod u+w), or point store.path"
+    )
+    assert (result.returncode, stderr.splitlines()[-1]) == (
+        2,
+        f"iop-node: the node may not write the run store's {what} "
+        f"{folder if what == 'folder' else db}: {fix} (in {config}) at one it may",
+    ), stderr

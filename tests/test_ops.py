@@ -10,11 +10,14 @@ import attrs
 import httpx
 import pytest
 import trio
+import trio.testing
 
 from iop_trio.metrics import CONTENT_TYPE, NodeMetrics
 from iop_trio.ops import OpsApp, serve_ops
 from iop_trio.runtime import Node, RunSpec, RunStatus, TargetSpec
+from iop_trio.store import RunStore
 from iop_trio.store.memory import MemoryStore
+from iop_trio.store.sqlite import SqliteStore
 
 from .support import ScriptedAdapter, logged
 
@@ -36,16 +39,20 @@ OPS_TOKEN = "ops-s3cret"
 
 @asynccontextmanager
 async def serving(
-    *, token: str | None = OPS_TOKEN, send_token: str | None = OPS_TOKEN, open_metrics: bool = True
+    *,
+    token: str | None = OPS_TOKEN,
+    send_token: str | None = OPS_TOKEN,
+    open_metrics: bool = True,
+    store: RunStore | None = None,
 ) -> AsyncIterator[Ops]:
-    """A node (not started) with one scripted target, and its ops app served (with
-    ``token``); the client sends ``send_token``."""
+    """A node (not started) with one scripted target and ``store`` (a MemoryStore by
+    default), and its ops app served (with ``token``); the client sends ``send_token``."""
     adapter = ScriptedAdapter()
     node = Node(
         node_id="ops",
         adapters=[adapter],
         targets=[TargetSpec("scripted", "m", allow_options={"k"})],
-        store=MemoryStore(),
+        store=store or MemoryStore(),
     )
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
@@ -102,6 +109,36 @@ async def test_run_routes_while_the_node_is_not_running():
                 503,
                 {"error": "the node is not running"},
             )
+
+
+async def test_run_routes_whose_store_cannot_answer_say_so_in_a_503(tmp_path):
+    """A run the node no longer holds is read from the store; one deleted under the node
+    cannot answer: a JSON error with a 503, never a 500 with a traceback."""
+    path = tmp_path / "node.db"
+    store = SqliteStore(path)
+    try:
+        async with serving(store=store) as ops, ops.node.running():
+            run = (await ops.node.manager.submit(RunSpec(TARGET, "p"))).record.run_id
+            with trio.fail_after(WAIT):
+                while run not in ops.adapter.scripts:
+                    await trio.testing.wait_all_tasks_blocked()
+                ops.adapter.script(run).finish()
+                await ops.node.manager.wait_idle()
+            assert (await ops.client.get(f"/runs/{run}")).status_code == 200
+            path.unlink()
+            path.with_name("node.db-wal").unlink()
+            for response in (
+                await ops.client.get(f"/runs/{run}"),
+                await ops.client.post(f"/runs/{run}/cancel"),
+            ):
+                assert response.status_code == 503
+                assert response.headers["content-type"] == "application/json"
+                error = response.json()["error"]
+                assert error.startswith("the run store cannot be read: its file ") and (
+                    "was deleted" in error
+                ), error
+    finally:
+        await store.aclose()
 
 
 async def test_head_is_answered_like_get_without_the_body():

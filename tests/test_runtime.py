@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
@@ -12,6 +13,7 @@ import trio.testing
 
 from iop_trio.adapters import Adapter, AdapterError
 from iop_trio.adapters.echo import EchoAdapter, EchoSettings
+from iop_trio.model import RunEvent
 from iop_trio.runtime import (
     AdapterSlot,
     EventKind,
@@ -28,6 +30,7 @@ from iop_trio.runtime import (
     UnknownTarget,
 )
 from iop_trio.runtime.manager import EVENT_WINDOW
+from iop_trio.store import StoreUnavailable
 from iop_trio.store.memory import MemoryStore
 
 from .support import ScriptedAdapter
@@ -916,3 +919,108 @@ async def test_a_waiting_run_is_data_its_task_starts_when_it_is_admitted(autojum
             assert record.retry_after is not None
         assert node.gate.statistics().queued == 0
         assert adapter.started == [first, queued[1]]
+
+
+class HeldDurable(MemoryStore):
+    """Takes each event at once, but tells ``on_durable`` only when released: a STARTED
+    whose commit is on its way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[Callable[[], None]] = []
+
+    def append_nowait(
+        self, event: RunEvent, *, on_durable: Callable[[], None] | None = None
+    ) -> None:
+        super().append_nowait(event)
+        if on_durable is not None:
+            self.held.append(on_durable)
+
+    def release(self) -> None:
+        held, self.held = self.held, []
+        for on_durable in held:
+            on_durable()
+
+
+async def test_a_run_cancelled_while_its_started_is_being_stored_keeps_a_whole_log():
+    """A run let in from the queue hands STARTED to the store and streams meanwhile; its
+    first delta waits for STARTED to be durable. Cancelled then, the delta (its seq is
+    taken) is stored all the same, so the CANCELLED after it is not refused for a gap
+    (a flood of cancels left runs RUNNING in the store that their callers saw end)."""
+    store = HeldDurable()
+    node, adapter = make_node(store=store, a_limit=1)
+    async with node.running():
+        first = await submit(node)
+        second = await submit(node)  # waits for the one permit of A
+        adapter.script(first).finish()
+        await trio.testing.wait_all_tasks_blocked()
+        assert adapter.started == [first, second]
+        assert len(store.held) == 1  # the second's STARTED, not yet durable
+        adapter.script(second).delta("tok")
+        await trio.testing.wait_all_tasks_blocked()  # its delta waits for STARTED
+        node.manager.cancel_nowait(second, "client_lost")
+        await trio.testing.wait_all_tasks_blocked()
+        store.release()
+        await node.manager.wait_idle()
+        assert await kinds(node, second) == [
+            EventKind.QUEUED,
+            EventKind.STARTED,
+            EventKind.DELTA,
+            EventKind.CANCELLED,
+        ]
+        record = await node.store.get(second)
+        assert record is not None
+        assert (record.status, record.reason) == (RunStatus.CANCELLED, "client_lost")
+        assert [e.seq for e in await node.manager.events(second)] == [1, 2, 3, 4]
+
+
+class CommitsIn(MemoryStore):
+    """A create takes ``seconds`` (the writer's attempt at it: a cancel waits for it), or
+    never ends (its caller may give up on it: nothing is stored)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    async def create(self, record, event, *, then=()):  # type: ignore[no-untyped-def]
+        if self.seconds == math.inf:
+            await trio.sleep_forever()
+        with trio.CancelScope(shield=True):
+            await trio.sleep(self.seconds)
+            await super().create(record, event, then=then)
+
+
+@pytest.mark.parametrize("room", [True, False])
+async def test_a_run_not_stored_within_its_create_timeout_is_refused_and_forgotten(
+    autojump_clock, room
+):
+    store = CommitsIn(0.0)
+    node, adapter = make_node(store=store)
+    async with node.running():
+        if not room:
+            busy = await submit(node)  # A's one permit
+        store.seconds = math.inf
+        start = trio.current_time()
+        with pytest.raises(StoreUnavailable, match=r"did not store the run within 3s"):
+            await node.manager.submit(RunSpec(A, "p", run_id="r1"), create_timeout=3.0)
+        assert trio.current_time() - start == pytest.approx(3.0)
+        assert await node.store.get("r1") is None
+        assert node.manager.live_count() == (0 if room else 1)
+        assert borrowed(node) == ((0, 0, 0, 0) if room else (1, 0, 1, 1))
+        store.seconds = 0.0
+        if not room:
+            adapter.script(busy).finish()
+        again = await submit(node, run_id="r1")  # the line of runs being stored moved on
+        assert adapter.started[-1] == again
+
+
+async def test_a_run_committed_as_its_create_timeout_passes_is_created(autojump_clock):
+    """The bound passes while the store is committing the run (a short attempt): the
+    caller waits for it, and the run exists."""
+    node, adapter = make_node(store=CommitsIn(5.0))
+    async with node.running():
+        submitted = await node.manager.submit(RunSpec(A, "p"), create_timeout=1.0)
+        assert trio.current_time() == pytest.approx(5.0)
+        assert await node.store.get(submitted.record.run_id) is not None
+        await trio.testing.wait_all_tasks_blocked()
+        assert adapter.started == [submitted.record.run_id]

@@ -24,12 +24,12 @@ from iop_trio.metrics import NodeMetrics
 from iop_trio.model import EventKind, RunStatus
 from iop_trio.protocol import pb
 from iop_trio.runtime import Node, RunSpec, RuntimeLimits, TargetSpec
-from iop_trio.store import StoreHealth, StoreUnavailable
+from iop_trio.store import StoreUnavailable
 from iop_trio.store.sqlite import JOURNAL_SIZE_LIMIT, SqliteStore
 from iop_trio.transport import RemoteError, open_runner
 
-from .support import ScriptedAdapter
-from .test_store_contract import running
+from .support import HealthLog, ScriptedAdapter
+from .test_store_contract import created, new_run, running
 from .test_wire import TOKEN, stack
 
 pytestmark = pytest.mark.faults
@@ -47,26 +47,6 @@ def fill(store: SqliteStore) -> None:
 
 def lift(store: SqliteStore) -> None:
     store._test_pragmas = [UNLIMITED]
-
-
-class HealthLog:
-    """The health changes a store reports, and a way to wait for the next one."""
-
-    def __init__(self, store: SqliteStore) -> None:
-        self.seen: list[StoreHealth] = []
-        self._changed = trio.Event()
-        store.watch_health(self._on)
-
-    def _on(self, health: StoreHealth) -> None:
-        self.seen.append(health)
-        self._changed.set()
-        self._changed = trio.Event()
-
-    async def wait_for(self, writable: bool) -> StoreHealth:
-        with trio.fail_after(LIMIT):
-            while not self.seen or self.seen[-1].writable is not writable:
-                await self._changed.wait()
-        return self.seen[-1]
 
 
 @pytest.fixture
@@ -147,6 +127,20 @@ def node_on(store: SqliteStore, adapter: ScriptedAdapter) -> Node:
         limits=RuntimeLimits(store_grace=0.5, final_write_timeout=0.5),
         store=store,
     )
+
+
+async def lift_after(store: SqliteStore, seconds: float) -> None:
+    await trio.sleep(seconds)
+    lift(store)
+
+
+async def started(node: Node, run_id: str) -> None:
+    """Until the run's STARTED event is published (and so its engine asked)."""
+    with trio.fail_after(LIMIT):
+        async for event in node.manager.watch(run_id):
+            if event.kind is EventKind.STARTED:
+                return
+    raise AssertionError(f"run {run_id} ended without starting")
 
 
 async def test_a_store_outage_stops_running_runs_and_the_store_catches_up(store):
@@ -261,3 +255,83 @@ async def test_on_a_real_small_disk_the_wal_stays_bounded_and_a_full_disk_recove
             with contextlib.suppress(FileNotFoundError):
                 (disk / "filler").unlink()
             await store.aclose()
+
+
+# --- a create while the disk is full ------------------------------------------------------
+
+
+async def test_a_create_the_full_disk_holds_is_withdrawn_when_cancelled_and_never_stored(tmp_path):
+    """The first write to meet the full disk is a create: it is retried until its caller
+    gives up (a cancel: the run manager's bound), then withdrawn and never written,
+    however long the disk takes to get room. The store finds the room by itself (no
+    write is left to find it) and takes runs again."""
+    store = SqliteStore(tmp_path / "runs.db", close_timeout=0.5, check_interval=0.05)
+    health = HealthLog(store)
+    try:
+        await created(store, "before")
+        fill(store)
+        state, first = new_run("orphan", prompt=BIG)
+        async with trio.open_nursery() as bound:
+            # a create the full disk held for good would hold the test too: the disk gets
+            # room after LIMIT, and the run is stored then (as it was before the fix)
+            bound.start_soon(lift_after, store, LIMIT)
+            with trio.move_on_after(0.5) as given_up:
+                await store.create(state.record, first)
+            bound.cancel_scope.cancel()
+        assert given_up.cancelled_caught
+        assert not store.health().writable
+        lift(store)
+        await health.wait_for(writable=True)
+        await store.sync()
+        assert [r.run_id for r in await store.list_runs()] == ["before"]
+        assert await store.events("orphan") == []
+        again, first = new_run("orphan", prompt=BIG)  # its caller may try again, with its id
+        await store.create(again.record, first)
+        assert await store.get("orphan") == again.record
+        assert [h.writable for h in health.seen] == [False, True]
+    finally:
+        lift(store)
+        await store.aclose()
+
+
+@pytest.mark.parametrize("room", [True, False])
+async def test_a_run_created_while_the_disk_is_full_is_refused_after_store_grace(store, room):
+    """issue 19: a run created while the disk is full waited until space returned, its
+    caller timed out not knowing its id, and the run was stored later. Now submit raises
+    StoreUnavailable after store_grace, whether the run took a permit to start at once or
+    was to wait in the queue; nothing of it is stored, and its permit is given back."""
+    adapter = ScriptedAdapter()
+    node = node_on(store, adapter)  # store_grace 0.5, two runs at a time
+    health = HealthLog(store)
+    async with node.running():
+        busy = []
+        if not room:  # the target is full: the run would wait in the queue
+            for _ in range(2):
+                run = await node.manager.submit(RunSpec("scripted/m", "p"))
+                await started(node, run.record.run_id)
+                busy.append(run.record)
+        fill(store)
+        async with trio.open_nursery() as bound:
+            # a create the full disk holds for good would hold the test too: the disk gets
+            # room after LIMIT, and the run is stored then (as it was before this was fixed)
+            bound.start_soon(lift_after, store, LIMIT)
+            with pytest.raises(StoreUnavailable, match=r"within 0\.5s"):
+                await node.manager.submit(RunSpec("scripted/m", BIG, run_id="orphan"))
+            bound.cancel_scope.cancel()
+        lift(store)
+        assert "orphan" not in adapter.started
+        assert "orphan" not in {r.run_id for r in node.manager.live_records()}
+        assert node.gate.statistics().queued == 0
+        if room:
+            assert node.gate.statistics().global_.borrowed == 0  # its permit went back
+        await health.wait_for(writable=True)
+        for run in busy:  # stopped by now (store_grace), or to be finished
+            if run.run_id in adapter.open_streams:
+                adapter.script(run.run_id).finish()
+        with trio.fail_after(LIMIT):
+            await node.manager.wait_idle()
+        assert await store.get("orphan") is None
+        again = await node.manager.submit(RunSpec("scripted/m", "p", run_id="orphan"))
+        assert not again.existing
+        await started(node, "orphan")
+        adapter.script("orphan").finish()

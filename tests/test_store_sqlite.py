@@ -7,7 +7,11 @@ of sleeping, and every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import sqlite3
+import stat
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,11 +28,11 @@ from hypothesis import strategies as st
 from iop_trio.lifecycle import RunState
 from iop_trio.model import EventKind, RunEvent, RunRecord, RunStatus
 from iop_trio.runtime import Usage
-from iop_trio.store import RunStore, StoreError
+from iop_trio.store import RunStore, StoreError, StoreUnavailable
 from iop_trio.store.memory import MemoryStore
 from iop_trio.store.sqlite import SCHEMA_VERSION, SqliteStore
 
-from .support import logged
+from .support import HealthLog, logged, read_only
 from .test_store_contract import created, finished, new_run, running, seqs
 
 LIMIT = 20  # seconds; a generous bound for anything that waits on the writer thread
@@ -766,3 +770,196 @@ async def test_writes_nobody_waits_for_gather_until_one_somebody_waits_for(tmp_p
         assert "".join(e.text for e in await reopened.events("r1", after_seq=2)) == "a b c d e"
     finally:
         await reopened.aclose()
+
+
+# --- the file under the store ---------------------------------------------------------------
+
+
+def remove_store_files(path: Path) -> None:
+    """``rm`` the database and its WAL, as an operator might under a running node."""
+    path.unlink()
+    path.with_name(path.name + "-wal").unlink()
+
+
+async def test_a_read_never_makes_a_file_where_the_store_was(tmp_path):
+    """Readers open the file read-only: with the database and its WAL removed, a read
+    fails instead of making an empty database at the path (which the next start, or
+    ``runs list``, would then take for the store)."""
+    path = tmp_path / "node.db"
+    store = SqliteStore(path)
+    try:
+        await created(store, "r1")
+        remove_store_files(path)
+        with pytest.raises(StoreError):
+            await store.get("r1")
+        assert not path.exists()
+    finally:
+        await store.aclose()
+
+
+def wal_of(path: Path) -> Path:
+    return path.with_name(path.name + "-wal")
+
+
+def stored_ids(path: str | Path) -> set[str]:
+    """The run ids in a database file, read without changing it."""
+    uri = f"{Path(path).absolute().as_uri()}?mode=ro"
+    with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:
+        return {row[0] for row in conn.execute("SELECT run_id FROM runs")}
+
+
+@pytest.mark.parametrize("how", ["deleted", "its WAL deleted", "replaced"])
+async def test_a_store_whose_file_goes_refuses_new_runs_says_so_once_and_rescues_them(
+    tmp_path, how
+):
+    """The file (or its WAL) deleted or replaced under a store: it is unwritable for good
+    (no flapping, though writes into the file it holds still go through), new runs and
+    reads are refused, one ERROR line names a rescue copy that has every run, and the
+    copy is made anew at close with what was written since."""
+    path = tmp_path / "node.db"
+    store = SqliteStore(path, check_interval=0.05)
+    health = HealthLog(store, limit=LIMIT)
+    with logged("iop_trio.store.sqlite") as records:
+        try:
+            states = [await running(store, f"r{i}") for i in range(20)]
+            await finished(store, "done")
+            if how == "its WAL deleted":
+                wal_of(path).unlink()
+            elif how == "deleted":
+                remove_store_files(path)
+            else:  # another database put in its place, in one step
+                other = SqliteStore(tmp_path / "other.db")
+                await created(other, "stranger")
+                await other.aclose()
+                os.replace(tmp_path / "other.db", path)
+            failing = await health.wait_for(writable=False)
+            said = "replaced by another file" if how == "replaced" else "deleted"
+            assert said in failing.problem
+            with pytest.raises(StoreUnavailable, match=f"cannot write: its .*{said}"):
+                await created(store, "late")
+            with pytest.raises(StoreUnavailable, match="cannot be read"):
+                await store.get("r1")
+            # the runs it has still go on (into the file it holds) and its health holds
+            with trio.fail_after(LIMIT):
+                await store.append(states[0].transition(RunStatus.SUCCEEDED, time=105.0))
+            assert not store.health().writable
+            [error] = [r for r in records if r.levelno >= logging.ERROR]
+            rescue = Path(error.rescue)
+            assert rescue.name.startswith("node.db.rescued-")
+            assert str(rescue) in error.getMessage() and said in error.getMessage()
+            assert stored_ids(rescue) == {f"r{i}" for i in range(20)} | {"done"}
+        finally:
+            with trio.fail_after(LIMIT):
+                await store.aclose()
+    assert health.seen == [failing]
+    assert [r for r in records if r.levelno >= logging.ERROR] == [error]
+    assert f"its runs are copied to {rescue}" in store.health().problem
+    assert stat.S_IMODE(os.stat(rescue).st_mode) == 0o600
+    # what an operator does: the node stopped, the copy goes where the store was
+    for leftover in (path, wal_of(path), path.with_name("node.db-shm")):
+        leftover.unlink(missing_ok=True)
+    os.replace(rescue, path)
+    again = SqliteStore(path)
+    try:
+        records_now = {r.run_id: r for r in await again.list_runs(limit=100)}
+        assert set(records_now) == {f"r{i}" for i in range(20)} | {"done"}
+        assert records_now["r0"].status is RunStatus.SUCCEEDED  # written after the rescue
+        assert records_now["r1"].status is RunStatus.RUNNING
+        assert await seqs(again, "r0") == [1, 2, 3]
+    finally:
+        await again.aclose()
+
+
+@pytest.mark.parametrize("what", ["file", "folder"])
+async def test_a_store_it_may_not_write_is_reported_until_it_may_again(tmp_path, what):
+    """A read-only file or folder (its WAL and shared memory are made there) is found by
+    the check: the store is unwritable, new runs are refused, reads go on; once it may
+    be written again, so may the store. Logged once each way."""
+    folder = tmp_path / "var"
+    folder.mkdir()
+    path = folder / "node.db"
+    store = SqliteStore(path, check_interval=0.05)
+    health = HealthLog(store, limit=LIMIT)
+    with logged("iop_trio.store.sqlite") as records:
+        try:
+            await created(store, "r1")
+            with read_only(path if what == "file" else folder):
+                failing = await health.wait_for(writable=False)
+                assert f"its {what} {path if what == 'file' else folder} may not be written" in (
+                    failing.problem
+                )
+                with pytest.raises(StoreUnavailable, match="may not be written"):
+                    await created(store, "r2")
+                assert await store.get("r1") is not None  # reads go on
+            await health.wait_for(writable=True)
+            await created(store, "r3")
+        finally:
+            await store.aclose()
+    assert [h.writable for h in health.seen] == [False, True]
+    said = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    assert said == [
+        f"run store {path} cannot be written: {failing.problem}; new runs are refused until it can",
+        f"run store {path} may be written again",
+    ]
+    again = SqliteStore(path)
+    try:
+        assert [r.run_id for r in await again.list_runs()] == ["r3", "r1"]
+    finally:
+        await again.aclose()
+
+
+class Said(logging.Handler):
+    """Set once a record of ``level`` or above whose message has ``words`` is logged (in
+    any thread); :meth:`wait` for it from Trio."""
+
+    def __init__(self, logger: str, words: str, level: int = logging.DEBUG) -> None:
+        super().__init__(level)
+        self.words = words
+        self.records: list[logging.LogRecord] = []
+        self._said = threading.Event()
+        logging.getLogger(logger).addHandler(self)
+        self._logger = logger
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.words in record.getMessage():
+            self.records.append(record)
+            self._said.set()
+
+    async def wait(self) -> logging.LogRecord:
+        assert await trio.to_thread.run_sync(self._said.wait, LIMIT), f"never said {self.words}"
+        return self.records[0]
+
+    def close(self) -> None:
+        logging.getLogger(self._logger).removeHandler(self)
+        super().close()
+
+
+async def test_a_store_gone_whose_copy_cannot_be_made_yet_says_why_and_tries_again(tmp_path):
+    """Its folder may not be written when the file goes: the ERROR line says no copy could
+    be made, and why; the writer tries at each check, and says where the copy is once
+    the folder may be written again (a WARNING: the ERROR stays the one line)."""
+    folder = tmp_path / "var"
+    folder.mkdir()
+    path = folder / "node.db"
+    store = SqliteStore(path, check_interval=0.05)
+    failed = Said("iop_trio.store.sqlite", "no copy of its runs could be made")
+    copied = Said("iop_trio.store.sqlite", "copied to", logging.WARNING)
+    with logged("iop_trio.store.sqlite") as records:
+        try:
+            await created(store, "r1")
+            remove_store_files(path)
+            with read_only(folder):
+                error = await failed.wait()
+                assert error.levelno == logging.ERROR
+            later = await copied.wait()
+        finally:
+            failed.close()
+            copied.close()
+            await store.aclose()
+    assert [r for r in records if r.levelno >= logging.ERROR] == [error]
+    assert "it tries again every 0.05s" in error.getMessage()
+    assert "at last" in later.getMessage()
+    rescue = Path(later.rescue)
+    assert f"its runs are copied to {rescue}" in store.health().problem
+    assert stored_ids(rescue) == {"r1"}
+    assert [p.name for p in folder.iterdir() if ".part-" in p.name] == []

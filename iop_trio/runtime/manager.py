@@ -478,7 +478,13 @@ class RunManager:
 
     # --- submitting ----------------------------------------------------------------------
 
-    async def submit(self, spec: RunSpec, *, owner: Hashable | None = None) -> Submitted:
+    async def submit(
+        self,
+        spec: RunSpec,
+        *,
+        owner: Hashable | None = None,
+        create_timeout: float | None = None,
+    ) -> Submitted:
         """Create a run and return once it is stored QUEUED (or already known).
 
         ``owner`` names who asked (a session); foreground runs are cancelled
@@ -486,6 +492,13 @@ class RunManager:
         returns that run with ``existing=True`` and starts nothing. Raises
         UnknownTarget, InvalidRequest (a bad run_id, a prompt over the target's
         ``max_prompt_bytes``) or NodeUnavailable without creating a run.
+
+        Storing the run takes at most ``create_timeout`` seconds (None:
+        ``store_grace``): past it (a full disk met by this very write, say) the write is
+        withdrawn and StoreUnavailable raised, and the run is never stored, nor started;
+        a write being committed at that moment ends with that attempt (short), and
+        committed, the run exists and this returns. StoreUnavailable at once while the
+        store cannot write.
         """
         target = self._targets.get(spec.target)
         if target is None:
@@ -515,7 +528,8 @@ class RunManager:
             if known is not None:
                 return Submitted(known, existing=True)
         run_id = spec.run_id or self._new_run_id()
-        record: RunRecord = await self._nursery.start(self._run, spec, target, run_id, owner)
+        bound = self.store_grace if create_timeout is None else create_timeout
+        record: RunRecord = await self._nursery.start(self._run, spec, target, run_id, owner, bound)
         return Submitted(record)
 
     async def _run(
@@ -524,6 +538,7 @@ class RunManager:
         target: TargetSpec,
         run_id: str,
         owner: Hashable | None,
+        bound: float,
         task_status: trio.TaskStatus[RunRecord],
     ) -> None:
         state, first = RunState.create(
@@ -549,7 +564,7 @@ class RunManager:
                 live, spec.target, priority=spec.priority, tenant=spec.tenant
             )
             if permit is not None:
-                await self._create(live, queued, first, permit, task_status)
+                await self._create(live, queued, first, permit, bound, task_status)
                 await self._carry_on(live, target, spec, permit, started=True)
                 return
         # the others enter the gate once stored QUEUED, in the order they came (see
@@ -557,7 +572,7 @@ class RunManager:
         entry = _Entering(live, target, spec)
         self._entering.append(entry)
         try:
-            await self._create(live, queued, first, None, task_status)
+            await self._create(live, queued, first, None, bound, task_status)
         except BaseException:
             self._entering.remove(entry)
             self._enter_stored(None)
@@ -613,16 +628,27 @@ class RunManager:
         queued: RunRecord,
         first: RunEvent,
         permit: Permit | None,
+        bound: float,
         task_status: trio.TaskStatus[RunRecord],
     ) -> None:
-        """Store the new run QUEUED (and STARTED if it holds ``permit``), publish what was
-        stored, and tell the submitter (``queued``, its record as of QUEUED). If the write
-        fails or is cancelled the run is forgotten and its permit given back."""
+        """Store the new run QUEUED (and STARTED if it holds ``permit``) within ``bound``
+        seconds, publish what was stored, and tell the submitter (``queued``, its record
+        as of QUEUED). If the write fails, is cancelled or is given up on past ``bound``
+        (StoreUnavailable; the store withdraws a write it is not committing), the run is
+        forgotten and its permit given back."""
         then: tuple[RunEvent, ...] = ()
         try:
             if permit is not None:
                 then = (live.state.transition(RunStatus.RUNNING, time=self._now()),)
-            await self._store.create(queued, first, then=then)
+            with trio.move_on_after(bound) as bounded:
+                try:
+                    await self._store.create(queued, first, then=then)
+                except StoreUnavailable as exc:  # its attempt failed after the bound passed
+                    if not bounded.cancel_called:
+                        raise
+                    raise self._not_stored(bound) from exc
+            if bounded.cancelled_caught:
+                raise self._not_stored(bound)
         except BaseException:
             if permit is not None:
                 permit.release()
@@ -631,6 +657,14 @@ class RunManager:
         for event in (first, *then):
             self._published(live, event)
         task_status.started(queued)
+
+    def _not_stored(self, bound: float) -> StoreUnavailable:
+        health = self._store.health()
+        why = "it is behind" if health.writable else f"it {health}"
+        return StoreUnavailable(
+            f"the node's run store did not store the run within {bound:g}s ({why}); the run "
+            "was not created: retry later"
+        )
 
     def _admitted(self, live: _LiveRun, target: TargetSpec, spec: RunSpec, permit: Permit) -> None:
         """The gate granted a run that waited as data: its task goes on from here."""
@@ -788,8 +822,15 @@ class RunManager:
             started, durable = live.held
             try:
                 await durable.wait()
-            finally:  # taken by the store: published even if the wait was cancelled
+            except BaseException:
+                # cancelled: STARTED is taken by the store, and this event is made (its
+                # seq is taken), so it is handed over too, in order, and both published;
+                # left out, its run's end would be refused for the gap
                 self._publish_held(live, started)
+                self._store.append_nowait(event)
+                self._published(live, event)
+                raise
+            self._publish_held(live, started)
         if event.kind is EventKind.DELTA and live.unsynced < SYNC_EVERY:
             live.unsynced += 1
             self._store.append_nowait(event)

@@ -58,7 +58,9 @@ class RuntimeLimits:
     ``max_prompt_bytes``, ``max_output_bytes`` and ``max_run_time`` bound each
     run of a target that sets none of its own (None: no bound); see
     :class:`~iop_trio.model.TargetSpec`. A store that cannot write for
-    ``store_grace`` seconds stops the running runs (FAILED ``store_unavailable``).
+    ``store_grace`` seconds stops the running runs (FAILED ``store_unavailable``), and
+    a run not stored within ``store_grace`` seconds is refused (StoreUnavailable) and
+    never stored.
     ``tenants`` sets the share of each tenant named (others: weight 1, no bounds).
     ``early_reject`` rejects a run at once when its estimated queue wait already
     exceeds its queue timeout (see :class:`~iop_trio.runtime.gate.Gate`).

@@ -102,6 +102,11 @@ class RunStore(abc.ABC):
         together: the run manager lets runs into the gate in that order, so a
         run whose create ends first is let in only once those called before it
         have ended.
+
+        Cancelled, a create is stored whole or not at all, and a store that retries a
+        failing write (a full disk) lets a cancelled create go between its attempts,
+        storing nothing: the run manager bounds a create so (``store_grace``), and a run
+        whose caller was told it was refused must never be stored later.
         """
 
     @abc.abstractmethod

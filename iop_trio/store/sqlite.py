@@ -26,7 +26,8 @@ so that an append costs one INSERT and one UPDATE; it is dropped whenever a
 job or a transaction fails, and reloaded from the file.
 
 Reads (``get``, ``list_runs``, ``events``) run in Trio worker threads on a
-small pool of separate read-only connections. In WAL mode they never block
+small pool of separate connections, opened read-only (``mode=ro``: a reader never
+creates a file where the database was). In WAL mode they never block
 the writer nor wait for it, and each read starts a fresh snapshot, so a read
 sees every write whose call has returned (those were committed first).
 
@@ -56,16 +57,44 @@ fail with StoreUnavailable (their runs are INTERRUPTED at the next start).
 The WAL is checkpointed every :data:`WAL_AUTOCHECKPOINT` pages and kept to
 :data:`JOURNAL_SIZE_LIMIT` bytes.
 
+The file
+--------
+
+The store remembers which file it opened (its ``st_dev`` and ``st_ino``), and the
+writer checks every ``check_interval`` seconds (a few ``stat`` and ``access``
+calls, in its own thread), as every read does for the file alone, that the
+file at the path is still that one (and its WAL the one SQLite made), and that
+the file and its folder may be written. A file or folder that may not be
+written (a ``chmod``, a read-only mount) makes the store unwritable in
+:meth:`~SqliteStore.health` until it may be written again, logged once each
+way. A file (or WAL) deleted or replaced under the store makes it unwritable
+for good: the writer's connection still holds the old file open, so the
+runs are not lost yet, but nothing else can reach them, and the next start
+would find an empty store or another one. So ``create`` and the writer refuse
+new runs (:class:`StoreUnavailable`), reads raise StoreUnavailable, the
+writer copies everything its connection holds to ``<db>.rescued-<time>``
+(``VACUUM INTO``; tried again every check until it is made) and says in one
+ERROR line what happened and what to do; writes of the runs the node has go
+on into the old file, and when the store closes the copy is made anew with
+them. An operator stops the node, moves the copy to the path and starts it
+again, with every run it took.
+
 Cancellation
 ------------
 
 ``append`` takes the event before its first checkpoint; if the caller is
 cancelled while waiting, the event is still written, in order. ``create``,
-``interrupt_unfinished`` and ``prune`` are all-or-nothing: cancelled before
-the writer has taken the job, nothing happens and :class:`trio.Cancelled` is
-raised; once taken, the call waits for the commit and returns normally (the
-cancellation is delivered at the caller's next checkpoint). Reads are not
-interrupted once their thread runs.
+``interrupt_unfinished`` and ``prune`` are all-or-nothing: cancelled while the
+writer is not committing the job (before it took the job, or between two
+attempts at a batch that failed for a passing reason, see Faults), it is
+withdrawn, nothing happens and :class:`trio.Cancelled` is raised; cancelled
+during an attempt, the call waits for that attempt: committed, it returns
+normally (the cancellation is delivered at the caller's next checkpoint), else
+it raises StoreUnavailable and nothing happens. So a caller can bound a create
+by cancelling it (the run manager does, by ``store_grace``), and no run it gave
+up on is stored later. A batch whose every job is withdrawn is done; the writer
+then learns when writes go through again by a probe (see
+:meth:`SqliteStore._probe`). Reads are not interrupted once their thread runs.
 """
 
 from __future__ import annotations
@@ -80,6 +109,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar, cast
 
 import attrs
@@ -126,6 +156,9 @@ _PASSING = frozenset(
         sqlite3.SQLITE_PROTOCOL,
     }
 )
+#: What makes a store unwritable, in the order its health says them: its file deleted or
+#: replaced under it, a file or folder it may not write, writes that fail.
+_PROBLEM_SOURCES = ("gone", "access", "write")
 #: Seconds the writer lets writes nobody waits for (``append_nowait``: a run's deltas)
 #: gather before it commits them, unless a write somebody waits for comes first. At a
 #: token every 20 ms a commit per delta cost more CPU than the rest of the node did.
@@ -137,6 +170,38 @@ RETRY_INITIAL = 0.05
 RETRY_MAX = 1.0
 #: After aclose(), how long writes that cannot be made are still retried (by default).
 CLOSE_TIMEOUT = 5.0
+#: Seconds between the writer's checks that the database file is the one it opened and
+#: that it and its folder may be written (see the module docstring's The file).
+CHECK_INTERVAL = 2.0
+#: Bytes a probe writes (see SqliteStore._probe): what the writes given up on needed,
+#: within these bounds.
+PROBE_MIN = 4096
+PROBE_MAX = 1024 * 1024
+#: The run id of a probe's row; no run has it (a run id starts with a letter or digit).
+_PROBE_RUN = "\x00probe"
+#: What the store logs of a file gone under it (see SqliteStore._rescue): once, at ERROR,
+#: whether its runs could be copied or not; then as a copy is made later, or at the close.
+_GONE_COPIED = (
+    "run store %(db)s: %(gone)s; new runs are refused. Every run the node took is copied "
+    "to %(copy)s (made again when the node stops): stop the node, remove %(db)s-wal and "
+    "%(db)s-shm, move the copy to %(db)s and start the node again"
+)
+_GONE_NOT_COPIED = (
+    "run store %(db)s: %(gone)s; new runs are refused, and no copy of its runs could be "
+    "made (%(why)s): make its folder writable (or free space) and keep the node running; "
+    "it tries again every %(every)gs and when it stops, and logs where the copy is"
+)
+_COPIED_AT_LAST = (
+    "run store %(db)s: every run the node took is copied to %(copy)s at last: stop the "
+    "node, remove %(db)s-wal and %(db)s-shm, move the copy to %(db)s and start it again"
+)
+_COPIED_AT_CLOSE = (
+    "run store %(db)s: its rescue copy %(copy)s has every run as the node left it: move it "
+    "to %(db)s (remove %(db)s-wal and %(db)s-shm first) before the next start"
+)
+_NOT_COPIED_AT_CLOSE = (
+    "run store %(db)s: no rescue copy could be made when the node stopped (%(why)s)%(had)s"
+)
 #: The WAL is checkpointed every this many pages (4 KiB each) ...
 WAL_AUTOCHECKPOINT = 256
 #: ... and truncated to at most this many bytes when it is reset, so a small disk holds.
@@ -242,9 +307,12 @@ class _Job(Generic[T]):
         "done",
         "error",
         "events",
+        "given_up",
         "label",
         "plan",
         "result",
+        "settled",
+        "size",
         "taken",
         "task",
         "token",
@@ -262,8 +330,10 @@ class _Job(Generic[T]):
         withdrawable: bool,
         events: int = 0,
         plan: tuple[Any, ...] | None = None,
+        size: int = 0,
     ) -> None:
         self.label = label
+        self.size = size  # about how many bytes it writes (the room a probe asks for)
         self.work = work
         self.plan = plan
         self.withdrawable = withdrawable
@@ -275,9 +345,13 @@ class _Job(Generic[T]):
         self.waited = True
         # called (in the Trio thread) once it is committed
         self.done: Callable[[], None] | None = None
-        # guarded by the store's lock
+        # guarded by the store's lock: taken into a batch; left out of the batch's next
+        # attempt (a withdrawable job cancelled while not being committed); its caller gave
+        # up while an attempt was on (it ends with that attempt); the writer is done with it
         self.taken = False
         self.withdrawn = False
+        self.given_up = False
+        self.settled = False
         # written by the writer thread before the wake-up
         self.result: T | None = None
         self.error: StoreError | None = None
@@ -298,7 +372,8 @@ class SqliteStore(RunStore):
     long to wait for a lock held by another process before failing,
     ``close_timeout`` how long writes that fail are still retried after
     :meth:`aclose`, ``linger`` how long writes nobody waits for gather before they
-    are committed (see :data:`LINGER`; 0 commits them at once).
+    are committed (see :data:`LINGER`; 0 commits them at once), ``check_interval``
+    how often the writer checks the file (see the module docstring's The file).
 
     The store must be closed with :meth:`aclose`, which waits until every write
     already taken is committed. Calls after it raise StoreError.
@@ -314,19 +389,23 @@ class SqliteStore(RunStore):
         busy_timeout: float = 5.0,
         close_timeout: float = CLOSE_TIMEOUT,
         linger: float = LINGER,
+        check_interval: float = CHECK_INTERVAL,
     ) -> None:
         self.path = os.fspath(path)
         if self.path in ("", ":memory:") or self.path.startswith("file:"):
             raise ValueError(f"SqliteStore needs the path of a database file, not {self.path!r}")
         if synchronous not in ("NORMAL", "FULL"):
             raise ValueError(f"synchronous must be 'NORMAL' or 'FULL', not {synchronous!r}")
-        if max_batch < 1 or readers < 1 or busy_timeout < 0:
-            raise ValueError("max_batch and readers must be >= 1 and busy_timeout >= 0")
+        if max_batch < 1 or readers < 1 or busy_timeout < 0 or not check_interval > 0:
+            raise ValueError(
+                "max_batch and readers must be >= 1, busy_timeout >= 0, check_interval > 0"
+            )
         self.synchronous = synchronous
         self.max_batch = max_batch
         self.busy_timeout = busy_timeout
         self.close_timeout = close_timeout
         self.linger = linger
+        self.check_interval = check_interval
         # the job queue and the writer's life, guarded by _lock
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -348,11 +427,27 @@ class SqliteStore(RunStore):
         # test seam: statements the writer runs before each attempt at a batch (a test
         # fills the "disk" with PRAGMA max_page_count, then lifts it)
         self._test_pragmas: list[str] = []
-        # whether writes go through; written by the writer thread, read anywhere
+        # whether writes go through: what each of _PROBLEM_SOURCES finds wrong now (with
+        # since when), and the health they make; guarded by _health_lock, read anywhere
+        self._health_lock = threading.Lock()
+        self._problems: dict[str, tuple[float, str]] = {}
         self._health = StoreHealth()
         self._health_listeners: list[tuple[trio.lowlevel.TrioToken, HealthListener]] = []
         self._close_deadline: float | None = None  # monotonic; set by aclose()
         self._conn: sqlite3.Connection | None = None  # the writer thread's connection
+        # guarded by _lock: the writer is in an attempt at a batch (see _write)
+        self._attempting = False
+        # the writer thread's own: the room the last batch given up on needed (see _probe)
+        self._probe_size = PROBE_MIN
+        # (st_dev, st_ino) of the database file as first opened, set before _opened
+        self._identity: tuple[int, int] | None = None
+        # the writer thread's own: its WAL's (once seen), when the next check of the file
+        # is due (monotonic), the rescue copy of a file gone (see _tend_file)
+        self._wal_identity: tuple[int, int] | None = None
+        self._next_check = 0.0
+        self._rescue_path: str | None = None
+        self._rescued = False
+        self._gone_told = False
         # the writer thread's own: partial records (see _fold_record) of the live runs it
         # has seen, as in the database, so an append needs no SELECT; cleared when in doubt
         self._folds: dict[str, RunRecord] = {}
@@ -374,6 +469,8 @@ class SqliteStore(RunStore):
             state = "opening"
         elif self._open_error is not None:
             state = "broken"
+        elif not self._health.writable:
+            state = f"open, {self._health}"
         else:
             state = "open"
         return (
@@ -400,21 +497,52 @@ class SqliteStore(RunStore):
         going through."""
         self._health_listeners.append((trio.lowlevel.current_trio_token(), listener))
 
-    def _set_health(self, health: StoreHealth) -> None:
+    def _set_problem(self, source: str, problem: str | None) -> bool:
+        """Record what ``source`` (one of :data:`_PROBLEM_SOURCES`) finds wrong now, or
+        None, and tell the listeners if that makes the store writable or not. Returns
+        whether ``source`` began or ceased to find a problem (a new text for the same
+        one is kept, and returns False). Any thread."""
+        with self._health_lock:
+            had = self._problems.get(source)
+            if problem is None:
+                self._problems.pop(source, None)
+            else:
+                self._problems[source] = (had[0] if had else time.time(), problem)
+            health = next(
+                (
+                    StoreHealth(False, *self._problems[name])
+                    for name in _PROBLEM_SOURCES
+                    if name in self._problems
+                ),
+                StoreHealth(),
+            )
+            flipped = health.writable != self._health.writable
+            self._health = health
+            if flipped:  # told in the order the changes were made
+                for token, listener in list(self._health_listeners):
+                    with contextlib.suppress(trio.RunFinishedError):
+                        token.run_sync_soon(listener, health)
+        return (had is None) != (problem is None)
+
+    def _gone(self) -> str | None:
+        """What became of the file, if it was deleted or replaced under the store."""
+        found = self._problems.get("gone")
+        return None if found is None else found[1]
+
+    def _writes_fail(self, problem: str) -> None:
         # in the writer thread
-        self._health = health
-        if health.writable:
-            log.warning("run store %s writes again", self.path)
-        else:
+        if self._set_problem("write", problem):
             log.warning(
                 "run store %s cannot write (%s); writes wait and are retried, new runs "
                 "are refused until it can",
                 self.path,
-                health.problem,
+                problem,
             )
-        for token, listener in list(self._health_listeners):
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(listener, health)
+
+    def _writes_go_through(self) -> None:
+        # in the writer thread, after each commit: only it sets "write", so the look is safe
+        if "write" in self._problems and self._set_problem("write", None):
+            log.warning("run store %s writes again", self.path)
 
     # --- the RunStore interface ----------------------------------------------------------
 
@@ -444,7 +572,9 @@ class SqliteStore(RunStore):
         (checked before anything is written), or if ``record.options`` cannot be
         JSON (options are stored as JSON: a tuple comes back as a list, a
         non-string key as a string), and StoreUnavailable at once while the store
-        cannot write. All or nothing under cancellation (see the module docstring).
+        cannot write. All or nothing under cancellation, however long the writes fail:
+        cancelled while not being committed, it is withdrawn and never written (see the
+        module docstring's Cancellation).
         """
         health = self._health
         if not health.writable:
@@ -476,7 +606,8 @@ class SqliteStore(RunStore):
                 self._folds[record.run_id] = attrs.evolve(kept)
 
         plan = ("create", record.run_id, row, event_rows, kept)
-        job = _Job("create", work, withdrawable=True, events=len(event_rows), plan=plan)
+        size = sum(len(v) for r in (row, *event_rows) for v in r if isinstance(v, str))
+        job = _Job("create", work, withdrawable=True, events=len(event_rows), plan=plan, size=size)
         await self._write(job)
 
     async def append(self, event: RunEvent) -> None:
@@ -676,7 +807,14 @@ class SqliteStore(RunStore):
                 self._thread.start()
 
     async def _write(self, job: _Job[T]) -> T:
-        """Queue ``job`` now (no checkpoint before), then wait for its batch to commit."""
+        """Queue ``job`` now (no checkpoint before), then wait for its batch to commit.
+
+        A withdrawable job cancelled while the writer is not committing it (still queued,
+        or between two attempts at a batch that failed) is withdrawn: nothing of it is
+        written, and Cancelled is raised at once. Cancelled during an attempt, it ends
+        with that attempt (short): committed, it returns (the cancellation is delivered
+        at the caller's next checkpoint); else it is withdrawn then, and raises the
+        attempt's StoreUnavailable. Any other job is written all the same."""
         self._start()
         with self._lock:
             if self._closing:
@@ -687,10 +825,12 @@ class SqliteStore(RunStore):
         def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
             if job.withdrawable:
                 with self._lock:
-                    if job.taken:
+                    if not job.taken:
+                        self._pending.remove(job)
+                    elif job.settled or self._attempting:
+                        job.given_up = True
                         return trio.lowlevel.Abort.FAILED  # the writer will wake us
                     job.withdrawn = True
-                    self._pending.remove(job)
             job.task = None
             return trio.lowlevel.Abort.SUCCEEDED
 
@@ -725,18 +865,22 @@ class SqliteStore(RunStore):
             self._opened.set()
         try:
             while True:
+                if self._tend_file() and "write" in self._problems and not self._pending:
+                    self._probe()  # writes fail, and none is left to find when they do not
                 with self._lock:
-                    while not self._pending and not self._closing:
-                        self._wakeup.wait()
+                    while not self._pending and not self._closing and not self._tending_due():
+                        self._wakeup.wait(self._time_to_check())
                     if not self._pending:
-                        return  # closing, and everything taken is done
+                        if self._closing:
+                            return  # closing, and everything taken is done
+                        continue  # the file is due a check
                     self._linger()
                     batch: list[_Job[Any]] = []
                     while self._pending and len(batch) < self.max_batch:
                         job = self._pending.popleft()
-                        if not job.withdrawn:
-                            job.taken = True
-                            batch.append(job)
+                        job.taken = True
+                        batch.append(job)
+                    self._attempting = True  # the first attempt at it begins now
                 if batch:
                     hook = self._before_batch
                     if hook is not None:
@@ -747,6 +891,8 @@ class SqliteStore(RunStore):
                     self._run_batch(batch)
         finally:
             if self._conn is not None:
+                if self._gone() is not None:
+                    self._rescue(closing=True)
                 self._conn.close()
 
     def _linger(self) -> None:
@@ -771,10 +917,25 @@ class SqliteStore(RunStore):
             self._lingering = False
 
     def _open_writer(self) -> sqlite3.Connection:
-        _create_private(self.path)
-        conn = sqlite3.connect(
-            self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=True
-        )
+        """Open the writer's connection: the first time making the file if need be and
+        noting which it is; again (after a failure) only if it is still that file."""
+        if self._identity is None:
+            _create_private(self.path)
+            conn = sqlite3.connect(
+                self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=True
+            )
+        else:
+            gone = self._gone() or self._identity_problem(wal=False)
+            if gone is not None:
+                self._set_problem("gone", gone)
+                raise StoreUnavailable(gone)  # passing: the writes wait (for the close)
+            conn = sqlite3.connect(
+                _uri(self.path, "rw"),
+                uri=True,
+                timeout=self.busy_timeout,
+                isolation_level=None,
+                check_same_thread=True,
+            )
         try:
             _check_or_create_schema(conn)
             mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
@@ -783,15 +944,33 @@ class SqliteStore(RunStore):
             conn.execute(f"PRAGMA synchronous = {self.synchronous}")
             conn.execute(f"PRAGMA wal_autocheckpoint = {WAL_AUTOCHECKPOINT}")
             conn.execute(f"PRAGMA journal_size_limit = {JOURNAL_SIZE_LIMIT}")
+            if self._identity is None:
+                self._identity = _identity(self.path)
+            self._wal_identity = _identity(self.path + "-wal")  # SQLite makes it lazily
         except BaseException:
             conn.close()
             raise
         return conn
 
     def _run_batch(self, batch: list[_Job[Any]]) -> None:
-        """Commit ``batch`` (retrying a passing failure, see Faults), then wake its callers."""
+        """Commit ``batch`` (retrying a passing failure, see Faults), then wake its callers.
+
+        Between two attempts its withdrawable jobs may be withdrawn (see :meth:`_write`):
+        the next attempt leaves them out, and a batch left with none is done. Its callers
+        given up during an attempt that failed are woken with StoreUnavailable."""
         attempt = 0
+        room = sum(job.size for job in batch)  # what a probe asks for if all is withdrawn
         while True:
+            with self._lock:
+                batch = [job for job in batch if not job.withdrawn]
+                self._attempting = bool(batch)
+            if batch and self._gone() is not None:
+                batch = self._refuse_creates(batch)
+            if not batch:
+                self._probe_size = room
+                break
+            for job in batch:
+                job.error = None  # an earlier attempt's refusal is made again, or not
             try:
                 if self._open_error is not None:
                     raise self._open_error
@@ -802,10 +981,14 @@ class SqliteStore(RunStore):
                 committed, events = self._transaction(self._conn, batch)
             except Exception as exc:
                 passing = _passing(exc)
-                if passing is not None and self._wait_to_retry(passing, attempt):
-                    attempt += 1
-                    continue
                 if passing is not None:
+                    self._writes_fail(passing)
+                    batch = self._give_up(batch, passing)
+                    if not batch:
+                        continue  # to the end above: nothing is left to write
+                    if self._wait_to_retry(passing, attempt):
+                        attempt += 1
+                        continue
                     error: StoreError = StoreUnavailable(
                         f"the run store could not write before it closed: {passing}"
                     )
@@ -818,10 +1001,41 @@ class SqliteStore(RunStore):
             else:
                 self._commits += committed
                 self._events += events
-                if not self._health.writable:
-                    self._set_health(StoreHealth())
+                self._writes_go_through()
+                if self._wal_identity is None:  # its first write made it
+                    self._wal_identity = _identity(self.path + "-wal")
             break
-        self._jobs += len(batch)
+        self._settle(batch, last=True)
+
+    def _give_up(self, batch: list[_Job[Any]], problem: str) -> list[_Job[Any]]:
+        """After a failed attempt: end the jobs whose callers gave up during it (with
+        StoreUnavailable: nothing of them was written); return the others. From now until
+        the next attempt the batch's withdrawable jobs may be withdrawn."""
+        with self._lock:
+            self._attempting = False
+            given_up = [job for job in batch if job.given_up]
+        if not given_up:
+            return batch
+        for job in given_up:
+            job.result = None
+            job.error = StoreUnavailable(f"the run store cannot write: {problem}")
+        self._settle(given_up)
+        return [job for job in batch if not job.given_up]
+
+    def _settle(self, jobs: list[_Job[Any]], *, last: bool = False) -> None:
+        """The writer is done with ``jobs`` (their result or error is set): wake them.
+        ``last``: they are what is left of the batch, which is done too."""
+        with self._lock:  # at once: a job is never seen neither settled nor attempted
+            if last:
+                self._attempting = False
+            for job in jobs:
+                job.settled = True
+        self._jobs += len(jobs)
+        self._wake_soon(jobs)
+
+    def _wake_soon(self, batch: list[_Job[Any]]) -> None:
+        """Have each job's Trio run wake its callers (one call per run), or log the error
+        of a job nobody waits for."""
         by_token: dict[trio.lowlevel.TrioToken, list[_Job[Any]]] = {}
         for job in batch:
             by_token.setdefault(job.token, []).append(job)
@@ -834,15 +1048,180 @@ class SqliteStore(RunStore):
             with contextlib.suppress(trio.RunFinishedError):  # nobody left to tell
                 token.run_sync_soon(self._wake, jobs)
 
+    def _refuse_creates(self, batch: list[_Job[Any]]) -> list[_Job[Any]]:
+        """With the file gone: refuse the batch's creates (StoreUnavailable), which its
+        rescue copy could miss, and return the other jobs. Those runs were never
+        acknowledged; the runs the node has go on being written."""
+        refused = [job for job in batch if job.label == "create"]
+        if not refused:
+            return batch
+        for job in refused:
+            job.error = StoreUnavailable(f"the run store cannot write: {self._gone()}")
+        self._settle(refused)
+        return [job for job in batch if job.label != "create"]
+
+    # --- the file under the store (in the writer thread, but for _identity_problem) -------
+
+    def _tending_due(self) -> bool:
+        """Whether the file is due a check, or is gone and the writer has not said so."""
+        if self._identity is None:  # never opened: nothing to check
+            return False
+        return time.monotonic() >= self._next_check or (
+            not self._gone_told and self._gone() is not None
+        )
+
+    def _time_to_check(self) -> float | None:
+        """Seconds until the file is due a check (None: never)."""
+        if self._identity is None:
+            return None
+        return max(0.0, self._next_check - time.monotonic())
+
+    def _tend_file(self, *, now: bool = False) -> bool:
+        """When due (or ``now``): see that the file (and the WAL) is the one opened, and
+        that the file and its folder may be written; tell the health what is wrong. A file
+        gone is rescued (see :meth:`_rescue`) and never checked again. Returns whether it
+        looked."""
+        if self._identity is None or not (now or self._tending_due()):
+            return False
+        self._next_check = time.monotonic() + self.check_interval
+        if self._gone() is None:
+            if self._wal_identity is None:
+                self._wal_identity = _identity(self.path + "-wal")
+            gone = self._identity_problem(wal=True)
+            if gone is None:
+                problem = _access_problem(self.path)
+                if self._set_problem("access", problem):
+                    if problem is None:
+                        log.warning("run store %s may be written again", self.path)
+                    else:
+                        log.warning(
+                            "run store %s cannot be written: %s; new runs are refused until it can",
+                            self.path,
+                            problem,
+                        )
+                return True
+            self._set_problem("gone", gone)
+        if not self._rescued:
+            self._rescue()
+        return True
+
+    def _probe(self) -> None:
+        """While writes fail and none is left to try (their callers gave up on them):
+        write a row of the size they needed and delete it, two commits, to learn whether
+        the store writes again; its health says so either way. The row is an event of a
+        run that cannot exist (:data:`_PROBE_RUN`), which nothing reads."""
+        size = min(PROBE_MAX, max(PROBE_MIN, self._probe_size))
+        try:
+            if self._open_error is not None:
+                return
+            if self._conn is None:
+                self._conn = self._open_writer()
+            conn = self._conn
+            for statement in self._test_pragmas:
+                conn.execute(statement)
+            with self._undone_on_error(conn):
+                conn.execute("BEGIN IMMEDIATE")
+                conn.execute("DELETE FROM events WHERE run_id = ?", (_PROBE_RUN,))
+                conn.execute(
+                    f"INSERT INTO events ({_EVENT_COLUMNS}) "
+                    "VALUES (?, 0, 'probe', 0, zeroblob(?), '', '', NULL, NULL)",
+                    (_PROBE_RUN, size),
+                )
+                conn.execute("COMMIT")
+            conn.execute("DELETE FROM events WHERE run_id = ?", (_PROBE_RUN,))
+        except Exception as exc:
+            passing = _passing(exc)
+            if passing is None:
+                log.warning("run store %s: a probe of its writes failed: %s", self.path, exc)
+                return
+            self._writes_fail(passing)
+            if self._conn is not None and self._gone() is None:
+                with contextlib.suppress(sqlite3.Error):
+                    self._conn.close()
+                self._conn = None  # a fresh one next time, as for a batch
+                self._wal_identity = None
+            return
+        self._writes_go_through()
+
+    def _identity_problem(self, *, wal: bool) -> str | None:
+        """What became of the file the store opened (and, with ``wal``, of its WAL) if it is
+        not at the path any more: deleted, or replaced by another. None if it is, or if
+        that cannot be told (a folder that may not be searched: the access check says it).
+        Any thread; with ``wal`` only the writer's (which makes the WAL anew)."""
+        names = [(self.path, self._identity, "file")]
+        if wal:
+            names.append((self.path + "-wal", self._wal_identity, "WAL"))
+        for name, opened, what in names:
+            if opened is None:
+                continue
+            try:
+                now = _identity(name, missing_ok=False)
+            except FileNotFoundError:
+                return f"its {what} {name} was deleted while the node had it open"
+            except OSError:
+                return None
+            if now != opened:
+                return f"its {what} {name} was replaced by another file while the node had it open"
+        return None
+
+    def _rescue(self, *, closing: bool = False) -> None:
+        """With the file gone: copy what the writer's connection still holds (every run
+        the node took) to the rescue file, ``<db>.rescued-<time>``, 0600; the first time,
+        say in one ERROR line what happened and what to do. ``closing``: make the copy
+        anew (beside it, then put in its place), with everything written since."""
+        gone = self._gone()
+        assert gone is not None
+        target, conn, why = self._rescue_path, self._conn, ""
+        if conn is None or conn.in_transaction:
+            why = "the node does not hold it open: it let go of it after a write failed"
+        else:
+            try:
+                made = _new_private_file(
+                    f"{self.path}.rescued-" if target is None else f"{target}.part-"
+                )
+                try:
+                    conn.execute("VACUUM INTO ?", (made,))
+                    if target is not None:
+                        os.replace(made, target)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(made)
+                    raise
+            except (sqlite3.Error, OSError) as exc:
+                why = f"{type(exc).__name__}: {exc}"
+            else:
+                if target is None:
+                    self._rescue_path = made
+                    self._set_problem("gone", f"{gone}; its runs are copied to {made}")
+        had_copy, self._rescued = self._rescued, self._rescued or not why
+        words = {
+            "db": self.path,
+            "gone": gone,
+            "copy": self._rescue_path,
+            "why": why,
+            "every": self.check_interval,
+            "had": f"; {self._rescue_path} has the runs as they were" if had_copy else "",
+        }
+        extra = {"store": self.path, "rescue": self._rescue_path}
+        if not self._gone_told:
+            self._gone_told = True
+            log.error(_GONE_NOT_COPIED if why else _GONE_COPIED, words, extra=extra)
+        elif closing:
+            log.warning(_NOT_COPIED_AT_CLOSE if why else _COPIED_AT_CLOSE, words, extra=extra)
+        elif not why:
+            log.warning(_COPIED_AT_LAST, words, extra=extra)
+
     def _wait_to_retry(self, problem: str, attempt: int) -> bool:
         """After a passing failure: say so, drop the connection, wait the backoff.
-        False once the store is closing and its ``close_timeout`` is over."""
-        if self._health.writable:
-            self._set_health(StoreHealth(False, time.time(), problem))
-        if self._conn is not None:
+        False once the store is closing and its ``close_timeout`` is over. A store whose
+        file is gone keeps its connection: it is the only way left to its runs."""
+        self._writes_fail(problem)
+        self._tend_file(now=True)
+        if self._conn is not None and self._gone() is None:
             with contextlib.suppress(sqlite3.Error):
                 self._conn.close()
             self._conn = None  # a fresh one for the next attempt
+            self._wal_identity = None  # closing the last connection may delete the WAL
         delay = min(RETRY_MAX, RETRY_INITIAL * 2 ** min(attempt, 16))
         deadline = self._close_deadline
         if deadline is not None:
@@ -1014,14 +1393,26 @@ class SqliteStore(RunStore):
         self._opened.wait()
         if self._open_error is not None:
             raise StoreError(str(self._open_error)) from self._open_error
+        gone = self._gone()
+        if gone is None:
+            gone = self._identity_problem(wal=False)  # a stat: each read looks too
+            if gone is not None:
+                self._set_problem("gone", gone)
+                with self._lock:
+                    self._wakeup.notify()  # the writer rescues the runs and says what to do
+        if gone is not None:
+            raise StoreUnavailable(f"the run store cannot be read: {gone}")
         with self._readers_lock:
             if self._readers_closed:
                 raise StoreError(f"the store {self.path!r} is closed")
             conn = self._idle_readers.pop() if self._idle_readers else None
         try:
             if conn is None:
+                # read-only: a reader never makes a file, so one where the store was
+                # deleted is not taken for an empty store
                 conn = sqlite3.connect(
-                    self.path,
+                    _uri(self.path, "ro"),
+                    uri=True,
                     timeout=self.busy_timeout,
                     isolation_level=None,
                     check_same_thread=False,
@@ -1048,6 +1439,57 @@ class SqliteStore(RunStore):
 
 
 # --- schema and rows -------------------------------------------------------------------------
+
+
+def _uri(path: str, mode: Literal["ro", "rw"]) -> str:
+    """A ``file:`` URI that opens ``path`` in ``mode`` and never creates it."""
+    return f"{Path(os.path.abspath(path)).as_uri()}?mode={mode}"
+
+
+def _identity(path: str, *, missing_ok: bool = True) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of ``path``: which file it is; None if there is none (with
+    ``missing_ok``; else FileNotFoundError)."""
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        if missing_ok:
+            return None
+        raise
+    return found.st_dev, found.st_ino
+
+
+_EFFECTIVE_IDS = os.access in os.supports_effective_ids
+
+
+def _access_problem(path: str) -> str | None:
+    """Why this process may not write the database file or its folder (where SQLite
+    makes its WAL and shared-memory files), or None."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.access(folder, os.W_OK | os.X_OK, effective_ids=_EFFECTIVE_IDS):
+        return (
+            f"its folder {folder} may not be written by the node (make it writable, or "
+            "remount its file system read-write)"
+        )
+    if not os.access(path, os.W_OK, effective_ids=_EFFECTIVE_IDS):
+        return (
+            f"its file {path} may not be written by the node (chmod u+w it, or remount its "
+            "file system read-write)"
+        )
+    return None
+
+
+def _new_private_file(prefix: str) -> str:
+    """Make a new empty file ``<prefix><time>`` (``-2``, ``-3``... after it if taken),
+    0600, and return its path: what ``VACUUM INTO`` may write (it holds every prompt)."""
+    stamp = prefix + time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1, 101):
+        name = stamp if n == 1 else f"{stamp}-{n}"
+        try:
+            os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            continue
+        return name
+    raise FileExistsError(f"{stamp} and 99 more names after it are taken")
 
 
 def _create_private(path: str) -> None:
@@ -1110,9 +1552,12 @@ def _check_or_create_schema(conn: sqlite3.Connection) -> None:
 
 
 def _passing(exc: BaseException) -> str | None:
-    """What went wrong, if ``exc`` (or its cause) is a passing SQLite failure; else None."""
+    """What went wrong, if ``exc`` (or its cause) is a passing SQLite failure (or the
+    store's own StoreUnavailable); else None."""
     seen: BaseException | None = exc
     while seen is not None:
+        if isinstance(seen, StoreUnavailable):
+            return str(seen)
         code = getattr(seen, "sqlite_errorcode", None)
         if isinstance(seen, sqlite3.Error) and code is not None and code & 0xFF in _PASSING:
             return str(seen) or type(seen).__name__

@@ -89,7 +89,11 @@ class RunService:
             raise TooLate(
                 f"the run request's sender gives up in {max(left, 0):.2f}s: not begun; retry later"
             )
-        submitted = await self.node.manager.submit(spec, owner=session.key)
+        manager = self.node.manager
+        # stored within the sender's time (a run stored later would be one it never hears
+        # of), and within store_grace
+        bound = min(manager.store_grace, left - MIN_TIME_LEFT)
+        submitted = await manager.submit(spec, owner=session.key, create_timeout=bound)
         record = submitted.record
         await session.reply(
             nonce,
