@@ -9,6 +9,7 @@ default client's 10,000-request burst through real processes is in test_flood.py
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -16,9 +17,11 @@ import pytest
 import trio
 import trio.testing
 
+from iop_trio.adapters.echo import EchoAdapter
 from iop_trio.edge.edge import HOP_MARGIN
-from iop_trio.model import RunSpec, RunStatus
+from iop_trio.model import RunSpec, RunStatus, TargetSpec
 from iop_trio.protocol import Request, Role, pb
+from iop_trio.runtime import Node
 from iop_trio.transport import (
     ProtoSession,
     RemoteError,
@@ -28,6 +31,7 @@ from iop_trio.transport import (
 )
 from iop_trio.transport.caller import ACK_TIMEOUT, RunnerClient, answer_within_for
 
+from .test_runtime import CommitsIn
 from .test_wire import TOKEN, echo_node, stack, websocket_pair
 
 
@@ -161,3 +165,28 @@ async def test_a_node_does_not_make_a_run_its_sender_will_not_hear_of(autojump_c
         assert refused.value.code == pb.ERROR_CODE_UNAVAILABLE
         assert "not begun" in refused.value.message
         assert await node.manager.list_runs() == []
+
+
+async def test_a_run_the_node_cannot_store_before_its_sender_gives_up_is_not_made(
+    autojump_clock,
+):
+    store = CommitsIn(math.inf)  # a busy store: this create would end, but not in time
+    node = Node(
+        node_id="n1",
+        adapters=[EchoAdapter()],
+        targets=[TargetSpec("echo", "a")],
+        store=store,
+    )
+    async with stack(node) as s:
+        start = trio.current_time()
+        with pytest.raises(RemoteError) as refused:
+            async with s.handle.request_stream(
+                "run_request",
+                pb.RunRequest(target="echo/a", prompt="x", run_id="late"),
+                answer_within=5.0,
+            ) as replies:
+                await replies.first()
+        assert trio.current_time() - start < 5.0  # answered before the sender gave up
+        assert refused.value.code == pb.ERROR_CODE_UNAVAILABLE  # the store is well: busy
+        assert "could not be stored within" in refused.value.message
+        assert await store.get("late") is None

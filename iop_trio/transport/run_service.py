@@ -93,7 +93,16 @@ class RunService:
         # stored within the sender's time (a run stored later would be one it never hears
         # of), and within store_grace
         bound = min(manager.store_grace, left - MIN_TIME_LEFT)
-        submitted = await manager.submit(spec, owner=session.key, create_timeout=bound)
+        try:
+            submitted = await manager.submit(spec, owner=session.key, create_timeout=bound)
+        except StoreUnavailable:
+            if bound >= manager.store_grace or not self.node.store.health().writable:
+                raise
+            # a store that writes, but not before the sender gives up (a busy node)
+            raise TooLate(
+                f"the run could not be stored within the {bound:.2f}s its sender still "
+                "waited; it was not made: retry later"
+            ) from None
         record = submitted.record
         await session.reply(
             nonce,
