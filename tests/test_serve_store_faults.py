@@ -134,7 +134,8 @@ async def listed(config: Path) -> dict[str, Entry]:
     """``runs list --json`` of the store ``config`` names: run id -> its record."""
     result = await cli("runs", "list", "--json", "--limit", "10000", "--config", str(config))
     assert result.returncode == 0, result.stderr
-    return {r["run_id"]: r for r in json.loads(result.stdout)}
+    records = [json.loads(line) for line in result.stdout.decode().splitlines()]  # JSON Lines
+    return {record["run_id"]: record for record in records}
 
 
 async def submit(edge: Edge, spec: RunSpec) -> str:
