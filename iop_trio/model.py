@@ -78,8 +78,15 @@ _STATUS_OF_KIND: Mapping[EventKind, RunStatus] = {k: s for s, k in _KIND_OF_STAT
 
 
 class RejectReason(enum.Enum):
+    """Why the gate turned a run away: its queue was full, it waited its queue timeout,
+    it reserves more tokens than a budget it needs holds at all (``too_large``: it can
+    never start), or its tenant's token rate or tokens in flight kept it out
+    (``rate_limited``)."""
+
     QUEUE_FULL = "queue_full"
     QUEUE_TIMEOUT = "queue_timeout"
+    TOO_LARGE = "too_large"
+    RATE_LIMITED = "rate_limited"
 
 
 #: Reasons a REJECTED event may carry; other terminal events take free-form reasons.
@@ -462,11 +469,63 @@ class Capabilities:
 @attrs.frozen
 class TenantLimits:
     """A tenant's share: its fair-queueing ``weight`` (> 0), and optional bounds on its
-    waiting runs (node-wide) and on its runs at once. A tenant not set has these."""
+    waiting runs (node-wide), on its runs at once, on the tokens its runs reserve at
+    once (``max_tokens_in_flight``) and on the tokens it may reserve a minute
+    (``tokens_per_minute``, a token bucket of a minute's worth, charged on reservation
+    and corrected at settlement). A tenant not set has these."""
 
     weight: float = 1.0
     max_queued: int | None = None
     concurrency: int | None = None
+    max_tokens_in_flight: int | None = None
+    tokens_per_minute: float | None = None
+
+
+class TokenBucket:
+    """A rate, sans I/O: ``rate`` tokens a second refilled, at most ``size`` saved up. It
+    starts full. The time is passed in (any clock, as long as it is one clock).
+
+    :meth:`take` is for one request at a time (refused when there is not one token);
+    :meth:`charge` takes any amount and may leave a debt, which the refill pays before
+    anything else can be taken, and :meth:`credit` gives back (at most up to ``size``).
+    """
+
+    def __init__(self, rate: float, size: float, now: float) -> None:
+        self.rate = rate
+        self.size = size
+        self.tokens = size
+        self.stamp = now
+
+    def __repr__(self) -> str:
+        return f"<TokenBucket {self.tokens:.1f}/{self.size:g} +{self.rate:g}/s>"
+
+    def level(self, now: float) -> float:
+        """The tokens there are at ``now`` (negative while a debt is being paid)."""
+        self.tokens = min(self.size, self.tokens + max(0.0, now - self.stamp) * self.rate)
+        self.stamp = max(self.stamp, now)
+        return self.tokens
+
+    def wait_for(self, amount: float, now: float) -> float:
+        """Seconds from ``now`` until there are ``amount`` tokens (0 if there are now;
+        ``amount`` is taken as at most ``size``)."""
+        short = min(amount, self.size) - self.level(now)
+        return max(0.0, short / self.rate)
+
+    def take(self, now: float, cost: float = 1.0) -> float | None:
+        """Take ``cost`` tokens: None if there were that many, else the seconds until there
+        will be (nothing is taken then)."""
+        if self.level(now) >= cost:
+            self.tokens -= cost
+            return None
+        return (cost - self.tokens) / self.rate
+
+    def charge(self, cost: float) -> None:
+        """Take ``cost`` tokens, even into a debt."""
+        self.tokens -= cost
+
+    def credit(self, amount: float) -> None:
+        """Give ``amount`` tokens back (a negative amount charges more), up to ``size``."""
+        self.tokens = min(self.size, self.tokens + amount)
 
 
 def redact_url(url: str) -> str:
@@ -499,6 +558,12 @@ def check_tenant_limits(name: str, limits: TenantLimits) -> TenantLimits:
         check_limit(f"tenant {name!r} max_queued", limits.max_queued)
     if limits.concurrency is not None:
         check_limit(f"tenant {name!r} concurrency", limits.concurrency)
+    if limits.max_tokens_in_flight is not None:
+        check_limit(f"tenant {name!r} max_tokens_in_flight", limits.max_tokens_in_flight, 1)
+    if limits.tokens_per_minute is not None:
+        rate_problem = positive_problem(limits.tokens_per_minute)
+        if rate_problem is not None:
+            raise ValueError(f"tenant {name!r} tokens_per_minute {rate_problem}")
     return limits
 
 

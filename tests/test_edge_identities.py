@@ -15,9 +15,9 @@ from iop_trio.edge.identities import (
     CallerLimits,
     Identities,
     IdentityError,
-    TokenBucket,
     token_digest,
 )
+from iop_trio.model import TokenBucket
 from iop_trio.protocol import pb
 from iop_trio.runtime import Node, RunSpec
 from iop_trio.transport import NodeLink, RemoteError, open_runner

@@ -443,7 +443,7 @@ async def test_a_stream_of_newcomers_does_not_starve_a_backlogged_tenant():
             await trio.testing.wait_all_tasks_blocked()
             holding.pop(0).set()  # one run ends: one grant
             await trio.testing.wait_all_tasks_blocked()
-        level = gate._lane("echo/a").levels[0]
+        level = gate.scheduler.lane("echo/a").levels[0]
         assert len(level.vtime) <= 2 * len(level.flows) + 17  # newcomers gone leave no trace
         nursery.cancel_scope.cancel()
     heavy = sum(name.startswith("heavy") for name in granted)

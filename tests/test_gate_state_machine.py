@@ -513,6 +513,14 @@ class GateMachine(RuleBasedStateMachine):
             assert len(running) <= max(limit, len(kept)), (key, running)
 
     @invariant()
+    def the_limiters_lend_what_the_policy_counts(self) -> None:
+        """The shell's CapacityLimiters (the permits) and the scheduler's pools agree."""
+        assert self.host.call(self._mirrors)
+
+    async def _mirrors(self) -> bool:
+        return self.node.gate.mirrors_agree()
+
+    @invariant()
     def no_waiting_run_could_start(self) -> None:
         queued = [r for r in self.runs if self._status(r) is RunStatus.QUEUED]
         assert self.snap.queued == len(queued) <= MAX_QUEUED

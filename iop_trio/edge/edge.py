@@ -40,7 +40,7 @@ from contextlib import asynccontextmanager, contextmanager, suppress
 import trio
 from trio_websocket import WebSocketConnection
 
-from ..model import InvalidRequest, RunSpec, tenant_problem
+from ..model import InvalidRequest, RunSpec, TokenBucket, tenant_problem
 from ..protocol import Request, Role, pb
 from ..transport.caller import ACK_TIMEOUT, RunnerClient, RunStream
 from ..transport.guard import ConnectionBounds, ConnectionGuard
@@ -55,7 +55,7 @@ from ..transport.session import (
     SessionSettings,
     TooLate,
 )
-from .identities import Caller, Identities, NodeIdentity, TokenBucket
+from .identities import Caller, Identities, NodeIdentity
 
 log = logging.getLogger(__name__)
 

@@ -77,30 +77,6 @@ class CallerLimits:
         return self.burst if self.burst is not None else max(1.0, 2 * self.requests_per_second)
 
 
-class TokenBucket:
-    """A request rate, sans I/O: ``rate`` tokens a second, at most ``size`` saved up, one
-    taken per request. It starts full."""
-
-    def __init__(self, rate: float, size: float, now: float) -> None:
-        self.rate = rate
-        self.size = size
-        self.tokens = size
-        self.stamp = now
-
-    def __repr__(self) -> str:
-        return f"<TokenBucket {self.tokens:.1f}/{self.size:g} +{self.rate:g}/s>"
-
-    def take(self, now: float) -> float | None:
-        """Take a token: None if there was one, else the seconds until there will be
-        (nothing is taken then)."""
-        self.tokens = min(self.size, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = max(self.stamp, now)
-        if self.tokens >= 1:
-            self.tokens -= 1
-            return None
-        return (1 - self.tokens) / self.rate
-
-
 @attrs.frozen
 class Caller:
     """Someone who sends runs through the edge, and what they may do."""

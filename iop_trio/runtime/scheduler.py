@@ -1,0 +1,998 @@
+"""The gate's policy, sans I/O: which waiting run starts, which is turned away, and why.
+
+Everything the gate decides is decided here, in synchronous code that imports only the
+model and is given the time (``now``); every operation returns its decisions (the runs
+it granted, the runs whose deadline passed) for the Trio shell (:mod:`.gate`) to carry
+out. So the rules can be read in one place and driven directly by tests, with no
+clock and no tasks.
+
+**Pools.** A run takes from four pools: its tenant's, its target's, its adapter's and
+the node's. Each pool bounds the runs it holds at once (``limit``; ``math.inf`` for
+none) and the tokens they reserve at once (``budget``; ``math.inf`` for none). A run
+*fits* a pool if one more run stays within the limit and its ``cost`` (its prompt
+tokens plus the most output tokens it may make; 0 where no token rule applies) within
+the budget. A tenant may also have a token rate (``tokens_per_minute``): a bucket of a
+minute's worth, which a run's cost is charged to when it starts (the bucket may go into
+a debt by one run larger than what is left) and corrected at settlement by what the
+run really used. A run starts only when it fits all four pools and its tenant's bucket
+is not in debt by more than its cost allows (see :meth:`Tenant.ready`).
+
+**Admission** (:meth:`Scheduler.admit`):
+
+- a run whose cost is over a budget it needs, on its own, is refused ``too_large`` at
+  once: it could never start;
+- a run that fits now starts now (nothing waiting could use that room: the scheduler
+  grants until nothing that waits can start);
+- else a full queue (node-wide ``max_queued``, the target's, the tenant's) refuses it
+  ``queue_full``; a queue timeout of 0 refuses it ``queue_timeout``; a tenant whose
+  bucket could not refill the run's cost within its queue timeout refuses it
+  ``rate_limited``, with the time it would take as the hint; with early rejection, an
+  estimated wait over its timeout refuses it ``queue_timeout``;
+- else it waits, at most its queue timeout (the smaller of its own and its target's or
+  the node's). At its deadline it is refused ``rate_limited`` if its tenant's token rate
+  or tokens in flight held it back then, else ``queue_timeout``.
+
+**Order.** Waiting runs are ordered within a target by priority (higher first), then
+between the tenants of one priority by start-time fair queueing by run count, then FIFO
+within a tenant: each tenant's flow at a (target, priority) carries a virtual time, a
+grant adds 1/weight to it, the flow with the smallest time goes next (the older head on
+a tie), a flow that becomes backlogged starts at the level's clock, which every grant
+moves on by 1 / the waiting tenants' weights, so no tenant saves up credit while idle.
+Across targets the highest priority goes first, the oldest on a tie. A run whose
+tenant, target or adapter cannot take it never blocks one that could start (no
+head-of-line blocking); FIFO within a tenant and priority always holds.
+
+**Small runs do not starve a large one.** A run that waits because it does not fit a
+pool's *token budget* may be passed by runs that do, for ``hold_after`` seconds. After
+that it *holds* each pool whose tokens it lacks: no run ranked after it (lower
+priority, or the same priority and younger) takes tokens from a held pool until it
+starts. Tokens in a held pool then only come free, so it starts as soon as the runs
+holding them end (its cost fits the budget alone, or it would have been refused
+``too_large``). Holds rank as runs do, so two holders never block each other: the one
+ranked first is blocked by no hold. A run of higher priority may still pass a holder,
+as strict priority always may.
+
+**Cost.** A grant looks at each target with waiters, in each at its priority levels
+and, in a level, at most :data:`BACKFILL` tenants' heads: O(targets x priorities x
+BACKFILL x log tenants), whatever the number of waiting runs.
+
+Tickets move through the states of :data:`TICKET_MOVES`; a move not in it is a bug and
+raises.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+from collections.abc import Iterator, Mapping
+
+import attrs
+
+from ..model import (
+    RejectReason,
+    TenantLimits,
+    TokenBucket,
+    UnknownTarget,
+    check_limit,
+    check_seconds,
+    check_tenant_limits,
+    clamp_retry_after,
+)
+
+INF = math.inf
+#: Gaps between grants a target must have seen before its wait is estimated for early
+#: rejection.
+EARLY_MIN_SAMPLES = 8
+#: Seconds a run that lacks a pool's tokens may be passed by smaller runs before it holds
+#: that pool (see the module docstring).
+HOLD_AFTER = 1.0
+#: The most tenants' heads looked at in one priority level of one target per grant.
+BACKFILL = 16
+
+
+class TicketState(enum.Enum):
+    """Where a run is in the gate."""
+
+    NEW = "new"  # made, not yet granted, queued or refused
+    WAITING = "waiting"  # in the queue
+    GRANTED = "granted"  # holds its place in every pool
+    REFUSED = "refused"  # turned away without waiting
+    WITHDRAWN = "withdrawn"  # taken out of the queue by its owner (a cancel, a drain)
+    EXPIRED = "expired"  # its queue deadline passed
+    RELEASED = "released"  # it ended and gave its place back
+
+
+#: The moves a ticket may make; the states not listed as keys are final.
+TICKET_MOVES: Mapping[TicketState, frozenset[TicketState]] = {
+    TicketState.NEW: frozenset({TicketState.GRANTED, TicketState.WAITING, TicketState.REFUSED}),
+    TicketState.WAITING: frozenset(
+        {TicketState.GRANTED, TicketState.WITHDRAWN, TicketState.EXPIRED}
+    ),
+    TicketState.GRANTED: frozenset({TicketState.RELEASED}),
+}
+
+
+@attrs.frozen
+class Refusal:
+    """Why a run is turned away, in words, and seconds until one like it would likely get
+    in (None: never, as it is)."""
+
+    reason: RejectReason
+    message: str
+    retry_after: float | None
+
+
+@attrs.define(eq=False)
+class Pool:
+    """One level runs take from: runs at once (``limit``) and tokens reserved at once
+    (``budget``); ``math.inf`` bounds nothing. A limit lowered under what is held lets
+    the holders finish. ``hold``: the run that holds this pool's tokens (module
+    docstring), if any."""
+
+    name: str
+    limit: float = INF
+    budget: float = INF
+    running: int = 0
+    reserved: int = 0
+    hold: Ticket | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"<Pool {self.name} runs={self.running}/{self.limit:g} "
+            f"tokens={self.reserved}/{self.budget:g}>"
+        )
+
+    @property
+    def has_room(self) -> bool:
+        return self.running < self.limit
+
+    def fits_tokens(self, cost: int) -> bool:
+        return self.reserved + cost <= self.budget
+
+
+@attrs.define(eq=False)
+class Rate:
+    """Grants a second, as a moving average of the time between grants."""
+
+    interval: float | None = None
+    last: float | None = None
+    samples: int = 0
+
+    def tick(self, now: float, *, since: float | None = None) -> None:
+        """A grant at ``now``. The gap since the last grant is a sample; ``since``, when
+        given, is when the gap may start at the earliest (a target's gaps count only
+        while runs wait there, so an idle spell does not look like slow service)."""
+        begin = self.last if since is None or self.last is None else max(self.last, since)
+        if begin is not None:
+            gap = now - begin
+            self.interval = gap if self.interval is None else 0.8 * self.interval + 0.2 * gap
+            self.samples += 1
+        self.last = now
+
+    def wait_for(self, ahead: int, fallback: float) -> float:
+        """Seconds until ``ahead`` more grants, at the recent rate (``fallback`` if none)."""
+        guess = fallback if self.interval is None else (ahead + 1) * self.interval
+        return clamp_retry_after(guess)
+
+
+@attrs.define(eq=False)
+class Tenant:
+    """Who runs are for: a fair-queueing weight, a queue bound, a pool (its concurrency
+    and ``max_tokens_in_flight``) and an optional token rate."""
+
+    name: str
+    weight: float = 1.0
+    max_queued: int | None = None
+    pool: Pool = attrs.Factory(lambda self: Pool(f"tenant:{self.name}"), takes_self=True)
+    bucket: TokenBucket | None = None
+    queued: int = 0  # waiting runs of this tenant, node-wide
+    configured: bool = False  # set by set_tenant; others are forgotten when idle
+
+    def __repr__(self) -> str:
+        return f"<Tenant {self.name!r} weight={self.weight:g} queued={self.queued} {self.pool!r}>"
+
+    @property
+    def idle(self) -> bool:
+        return not self.configured and not self.queued and not self.pool.running
+
+    def rate_ready(self, cost: int, now: float) -> bool:
+        """Whether its token rate lets a run of ``cost`` start now: the bucket holds the
+        cost (or, for a run larger than a minute's worth, is full)."""
+        return self.bucket is None or self.bucket.level(now) >= min(cost, self.bucket.size)
+
+    def ready(self, cost: int, now: float) -> bool:
+        """Whether a run of ``cost`` of this tenant may start as far as the tenant goes."""
+        return self.pool.has_room and self.pool.fits_tokens(cost) and self.rate_ready(cost, now)
+
+
+@attrs.define(eq=False)
+class Ticket:
+    """One run in the gate: who it is (``key``, the caller's), where it goes, what it
+    costs, and its state (:data:`TICKET_MOVES`)."""
+
+    key: object
+    lane: Lane
+    tenant: Tenant
+    priority: int
+    order: int
+    cost: int = 0
+    timeout: float = INF
+    enqueued: float = 0.0  # when it began to wait
+    deadline: float = INF
+    state: TicketState = TicketState.NEW
+    #: the pools it holds (module docstring: small runs do not starve a large one)
+    holding: list[Pool] = attrs.field(factory=list)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Ticket {self.key!r} {self.lane.name} {self.state.value} p={self.priority} "
+            f"cost={self.cost}>"
+        )
+
+    @property
+    def granted(self) -> bool:
+        """Whether it holds its place in every pool now."""
+        return self.state is TicketState.GRANTED
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """The order runs go in across targets, and holds rank by: priority, then age."""
+        return (-self.priority, self.order)
+
+    def move(self, to: TicketState) -> None:
+        if to not in TICKET_MOVES.get(self.state, frozenset()):
+            raise RuntimeError(f"ticket {self!r} cannot go from {self.state.value} to {to.value}")
+        self.state = to
+
+    @property
+    def pools(self) -> tuple[Pool, Pool, Pool, Pool]:
+        """Its four pools, most specific first."""
+        lane = self.lane
+        return (self.tenant.pool, lane.target, lane.adapter, lane.node)
+
+
+@attrs.define(eq=False)
+class Level:
+    """The waiting runs of one priority at one target: a FIFO flow per tenant, the
+    virtual times of start-time fair queueing, and a heap of the flows' heads by
+    (virtual time, arrival), so a grant costs O(log tenants).
+
+    Heap entries are not updated in place: a flow whose head or time changes gets a new
+    entry, and an entry that no longer matches its flow is dropped when met.
+    """
+
+    flows: dict[Tenant, dict[Ticket, None]] = attrs.field(factory=dict)
+    vtime: dict[Tenant, float] = attrs.field(factory=dict)
+    # the level's virtual time: a grant moves it by 1 / the waiting tenants' weights
+    clock: float = 0.0
+    weights: float = 0.0  # of the waiting tenants, as they were when each began to wait
+    entered: dict[Tenant, float] = attrs.field(factory=dict)  # each one's weight then
+    heap: list[tuple[float, int, int, Tenant]] = attrs.field(factory=list)
+    pushes: int = 0
+    size: int = 0  # waiting runs
+
+    def add(self, ticket: Ticket) -> None:
+        self.size += 1
+        tenant = ticket.tenant
+        flow = self.flows.get(tenant)
+        if flow is None:  # the tenant becomes backlogged: it saved up nothing meanwhile
+            self.vtime[tenant] = max(self.vtime.get(tenant, 0.0), self.clock)
+            flow = self.flows[tenant] = {}
+            flow[ticket] = None
+            self.entered[tenant] = tenant.weight
+            self.weights += tenant.weight
+            self._push(tenant)
+        else:
+            flow[ticket] = None
+
+    def remove(self, ticket: Ticket) -> None:
+        self.size -= 1
+        tenant = ticket.tenant
+        flow = self.flows[tenant]
+        was_head = next(iter(flow)) is ticket
+        del flow[ticket]
+        if not flow:
+            self._idle(tenant)
+        elif was_head:
+            self._push(tenant)
+
+    def _idle(self, tenant: Tenant) -> None:
+        """``tenant`` has no more runs waiting here."""
+        del self.flows[tenant]
+        self.weights -= self.entered.pop(tenant)
+        if len(self.vtime) > 2 * len(self.flows) + 16:
+            # times of tenants gone idle that the clock has passed mean nothing now
+            self.vtime = {t: v for t, v in self.vtime.items() if t in self.flows or v > self.clock}
+
+    def _push(self, tenant: Tenant) -> None:
+        head = next(iter(self.flows[tenant]))
+        self.pushes += 1
+        heapq.heappush(self.heap, (self.vtime[tenant], head.order, self.pushes, tenant))
+        if len(self.heap) > 2 * len(self.flows) + 16:  # mostly stale: rebuild
+            self.heap = [e for e in self.heap if self._current(e)]
+            heapq.heapify(self.heap)
+
+    def _current(self, entry: tuple[float, int, int, Tenant]) -> bool:
+        vtime, order, _, tenant = entry
+        flow = self.flows.get(tenant)
+        return flow is not None and self.vtime[tenant] == vtime and next(iter(flow)).order == order
+
+    def heads(self, now: float, most: int) -> list[Ticket]:
+        """Up to ``most`` flows' heads whose tenant is ready for them, in fair order (the
+        smallest virtual time first, the older head on a tie)."""
+        heap = self.heap
+        taken = []
+        found: list[Ticket] = []
+        while heap and len(found) < most:
+            entry = heap[0]
+            if not self._current(entry):
+                heapq.heappop(heap)
+                continue
+            taken.append(heapq.heappop(heap))
+            head = next(iter(self.flows[entry[3]]))
+            if entry[3].ready(head.cost, now):
+                found.append(head)
+        for entry in taken:
+            heapq.heappush(heap, entry)
+        return found
+
+    def ahead_of(self, tenant: Tenant) -> int:
+        """How many of the runs waiting here would start before a new run of ``tenant``
+        (by their start tags; blocked tenants are counted as if they were not)."""
+        flow = self.flows.get(tenant)
+        if flow is None:
+            start = max(self.vtime.get(tenant, 0.0), self.clock)
+            ahead = 0
+        else:
+            start = self.vtime[tenant] + len(flow) / tenant.weight
+            ahead = len(flow)
+        for other, other_flow in self.flows.items():
+            if other is not tenant and self.vtime[other] <= start:
+                # start tags vtime + j / weight <= start go first (older on a tie)
+                later = math.floor((start - self.vtime[other]) * other.weight + 1e-9) + 1
+                ahead += min(len(other_flow), later)
+        return ahead
+
+    def served(self, ticket: Ticket) -> None:
+        """``ticket`` (its flow's head) is granted. The clock moves on by 1 / the waiting
+        tenants' weights, and at least to the start of the run served: so it keeps pace
+        with the tenants' own times, and a stream of newcomers (each starting at the
+        clock) cannot keep a backlogged tenant waiting."""
+        tenant = ticket.tenant
+        self.clock = max(self.clock + 1.0 / self.weights, self.vtime[tenant])
+        self.vtime[tenant] += 1.0 / tenant.weight
+        self.size -= 1
+        flow = self.flows[tenant]
+        del flow[ticket]
+        if flow:
+            self._push(tenant)
+        else:
+            self._idle(tenant)
+
+
+@attrs.define(eq=False)
+class Lane:
+    """One target: its pool, its adapter's and the node's, and its waiting runs."""
+
+    name: str
+    adapter_name: str
+    target: Pool
+    adapter: Pool
+    node: Pool
+    max_queued: int | None
+    queue_timeout: float | None
+    levels: dict[int, Level] = attrs.field(factory=dict)
+    waiting: int = 0
+    rate: Rate = attrs.field(factory=Rate)
+    backlogged_since: float = 0.0  # when the lane last went from no waiters to some
+
+    def __repr__(self) -> str:
+        return f"<Lane {self.name} waiting={self.waiting} {self.target!r}>"
+
+    @property
+    def has_room(self) -> bool:
+        """Whether its target, adapter and node pools can take one more run."""
+        return self.target.has_room and self.adapter.has_room and self.node.has_room
+
+    def estimated_wait(self, priority: int, tenant: Tenant) -> float | None:
+        """Seconds a new run of ``priority`` and ``tenant`` would likely wait: the runs
+        that would start before it, plus one, times the recent time between grants here
+        (None until :data:`EARLY_MIN_SAMPLES` gaps have been seen)."""
+        if self.rate.interval is None or self.rate.samples < EARLY_MIN_SAMPLES:
+            return None
+        ahead = sum(level.size for p, level in self.levels.items() if p > priority)
+        level = self.levels.get(priority)
+        if level is not None:
+            ahead += level.ahead_of(tenant)
+        return (ahead + 1) * self.rate.interval
+
+    def candidates(self, now: float) -> Iterator[Ticket]:
+        """Its waiting runs whose tenant is ready for them, in the order they should go:
+        priority, then fair, then oldest (at most :data:`BACKFILL` a level)."""
+        for priority in sorted(self.levels, reverse=True):
+            yield from self.levels[priority].heads(now, BACKFILL)
+
+
+@attrs.frozen
+class PoolStats:
+    limit: float  # math.inf = unbounded
+    running: int
+    budget: float = INF
+    reserved: int = 0
+
+
+class Scheduler:
+    """The policy of the module docstring, for one node. Not thread-safe; the time is
+    passed in, in seconds of any one clock.
+
+    Every operation that can let waiting runs start returns the tickets it granted, in
+    the order granted; the caller gives each its permit. Limits and budgets may change
+    at any time (``set_*``): lowering one lets holders finish, raising one grants at once.
+    """
+
+    def __init__(
+        self,
+        *,
+        concurrency: int,
+        max_queued: int,
+        queue_timeout: float,
+        early_reject: bool = False,
+        token_budget: int | None = None,
+        hold_after: float = HOLD_AFTER,
+    ) -> None:
+        self.early_reject = early_reject
+        self.hold_after = check_seconds("hold_after", hold_after)
+        self.node = Pool(
+            "node", check_limit("concurrency", concurrency), _budget("token_budget", token_budget)
+        )
+        self.max_queued = check_limit("max_queued", max_queued)
+        self.queue_timeout = check_seconds("queue_timeout", queue_timeout)
+        self.adapters: dict[str, Pool] = {}
+        self._adapter_caps: dict[str, int | None] = {}
+        self.lanes: dict[str, Lane] = {}
+        self._busy: dict[Lane, None] = {}  # lanes with waiters, for dispatch in O(targets)
+        self._waiting: dict[object, Ticket] = {}  # waiting tickets by key
+        # waiting runs' deadlines, earliest first; stale entries dropped when met
+        self._deadlines: list[tuple[float, int, Ticket]] = []
+        self.tenants: dict[str, Tenant] = {}
+        self.queued = 0
+        self._order = 0
+        self.rate = Rate()  # grants, node-wide
+        self.running_by_priority: dict[int, int] = {}
+        # whether any token rule is set (a budget, a tenant's token rate): holds and
+        # refills matter only then
+        self.tokens_in_use = self.node.budget < INF
+
+    def __repr__(self) -> str:
+        return (
+            f"<Scheduler {self.node!r} queued={self.queued}/{self.max_queued} "
+            f"adapters={len(self.adapters)} targets={len(self.lanes)}>"
+        )
+
+    # --- configuration -------------------------------------------------------------------
+
+    def add_adapter(
+        self,
+        name: str,
+        limit: int | None,
+        *,
+        max_concurrency: int | None = None,
+        token_budget: int | None = None,
+    ) -> Pool:
+        """Register an adapter pool. Its limit is the smaller of ``limit`` and
+        ``max_concurrency`` (the adapter's capability); None for both = unbounded."""
+        if name in self.adapters:
+            raise ValueError(f"adapter {name!r} is already registered")
+        if max_concurrency is not None:
+            check_limit(f"adapter {name!r} max_concurrency", max_concurrency)
+        self._adapter_caps[name] = max_concurrency
+        pool = Pool(
+            f"adapter:{name}",
+            self._adapter_limit(name, limit),
+            _budget(f"adapter {name!r} token_budget", token_budget),
+        )
+        self.adapters[name] = pool
+        self._note_tokens()
+        return pool
+
+    def add_target(
+        self,
+        name: str,
+        *,
+        adapter: str,
+        limit: int,
+        max_queued: int | None = None,
+        queue_timeout: float | None = None,
+        token_budget: int | None = None,
+    ) -> Lane:
+        """Register a target under ``adapter``; ``max_queued`` bounds its waiting runs too,
+        ``queue_timeout`` replaces the node's for it."""
+        if name in self.lanes:
+            raise ValueError(f"target {name!r} is already registered")
+        if adapter not in self.adapters:
+            raise ValueError(f"target {name!r} names unknown adapter {adapter!r}")
+        lane = Lane(
+            name=name,
+            adapter_name=adapter,
+            target=Pool(
+                f"target:{name}",
+                check_limit(f"target {name!r} concurrency", limit),
+                _budget(f"target {name!r} token_budget", token_budget),
+            ),
+            adapter=self.adapters[adapter],
+            node=self.node,
+            max_queued=None if max_queued is None else check_limit("max_queued", max_queued),
+            queue_timeout=(
+                None if queue_timeout is None else check_seconds("queue_timeout", queue_timeout)
+            ),
+        )
+        self.lanes[name] = lane
+        self._note_tokens()
+        return lane
+
+    def _note_tokens(self) -> None:
+        self.tokens_in_use = (
+            self.node.budget < INF
+            or any(p.budget < INF for p in self.adapters.values())
+            or any(lane.target.budget < INF for lane in self.lanes.values())
+            or any(t.bucket is not None or t.pool.budget < INF for t in self.tenants.values())
+        )
+
+    def _adapter_limit(self, name: str, limit: int | None) -> float:
+        if limit is not None:
+            check_limit(f"adapter {name!r} concurrency", limit)
+        given = [n for n in (limit, self._adapter_caps[name]) if n is not None]
+        return min(given) if given else INF
+
+    def lane(self, target: str) -> Lane:
+        try:
+            return self.lanes[target]
+        except KeyError:
+            raise UnknownTarget(target) from None
+
+    def set_node_limit(self, limit: int, now: float) -> list[Ticket]:
+        self.node.limit = check_limit("concurrency", limit)
+        return self.dispatch(now)
+
+    def set_adapter_limit(self, name: str, limit: int | None, now: float) -> list[Ticket]:
+        """Set the configured limit (None = none); the capability still caps it."""
+        self.adapters[name].limit = self._adapter_limit(name, limit)
+        return self.dispatch(now)
+
+    def set_target_limit(self, name: str, limit: float, now: float) -> list[Ticket]:
+        """Set a target's limit (an int, or ``math.inf`` for none: a learned limit)."""
+        pool = self.lane(name).target
+        pool.limit = limit if limit == INF else check_limit(f"target {name!r} concurrency", limit)
+        return self.dispatch(now)
+
+    def set_pool_limit(self, pool: Pool, limit: float, now: float) -> list[Ticket]:
+        """Set any pool's limit (a learned one, say): an int >= 0 or ``math.inf``."""
+        pool.limit = limit if limit == INF else check_limit(f"{pool.name} concurrency", limit)
+        return self.dispatch(now)
+
+    def set_tenant(self, name: str, limits: TenantLimits, now: float) -> list[Ticket]:
+        """Set a tenant's weight and bounds (all of them; a tenant never set has weight 1
+        and no bounds). A lower bound cancels nobody; a new weight counts from the next
+        grant; a new token rate starts full. ValueError (nothing changed) for a bad
+        name or value."""
+        check_tenant_limits(name, limits)
+        tenant = self.tenant(name)
+        tenant.configured = True
+        tenant.weight = float(limits.weight)
+        tenant.max_queued = limits.max_queued
+        tenant.pool.limit = INF if limits.concurrency is None else limits.concurrency
+        tenant.pool.budget = _budget("max_tokens_in_flight", limits.max_tokens_in_flight)
+        rate = limits.tokens_per_minute
+        if rate is None:
+            tenant.bucket = None
+        elif tenant.bucket is None or tenant.bucket.size != rate:
+            tenant.bucket = TokenBucket(rate / 60.0, float(rate), now)
+        self._note_tokens()
+        return self.dispatch(now)
+
+    def tenant_limits(self, name: str) -> TenantLimits:
+        """The share of tenant ``name`` in force (the defaults for one never set)."""
+        tenant = self.tenants.get(name)
+        if tenant is None:
+            return TenantLimits()
+        pool = tenant.pool
+        return TenantLimits(
+            tenant.weight,
+            tenant.max_queued,
+            None if pool.limit == INF else int(pool.limit),
+            None if pool.budget == INF else int(pool.budget),
+            None if tenant.bucket is None else tenant.bucket.size,
+        )
+
+    def tenant(self, name: str) -> Tenant:
+        tenant = self.tenants.get(name)
+        if tenant is None:
+            tenant = self.tenants[name] = Tenant(name)
+        return tenant
+
+    def set_queue(
+        self, *, max_queued: int | None = None, queue_timeout: float | None = None
+    ) -> None:
+        """Change the node-wide queue bound or timeout (None leaves it). A lower bound
+        rejects nobody already waiting; a new timeout applies to runs from now on."""
+        if max_queued is not None:
+            self.max_queued = check_limit("max_queued", max_queued)
+        if queue_timeout is not None:
+            self.queue_timeout = check_seconds("queue_timeout", queue_timeout)
+
+    # --- admission -----------------------------------------------------------------------
+
+    def ticket(
+        self,
+        key: object,
+        target: str,
+        *,
+        priority: int = 0,
+        tenant: str = "",
+        cost: int = 0,
+        queue_timeout: float | None = None,
+    ) -> Ticket:
+        """A new ticket (state NEW) and the queue timeout that applies to it.
+        UnknownTarget for a target that is not registered."""
+        lane = self.lane(target)
+        timeout = self.queue_timeout if lane.queue_timeout is None else lane.queue_timeout
+        if queue_timeout is not None:
+            timeout = min(timeout, check_seconds("queue_timeout", queue_timeout))
+        self._order += 1
+        return Ticket(key, lane, self.tenant(tenant), priority, self._order, max(0, cost), timeout)
+
+    def start_now(self, ticket: Ticket, now: float) -> bool:
+        """Grant a NEW ticket if it may start now (and True); else leave it NEW (and the
+        scheduler as it was: a tenant only it brought is forgotten again)."""
+        if self._start_if_it_fits(ticket, now):
+            return True
+        self._forget_if_idle(ticket.tenant)
+        return False
+
+    def _start_if_it_fits(self, ticket: Ticket, now: float) -> bool:
+        if self.tokens_in_use:
+            self._place_holds(now)  # a waiting run past its bound is not passed by this one
+        if self._fits_now(ticket, now):
+            self._grant(ticket, now, queued=False)
+            return True
+        return False
+
+    def admit(self, ticket: Ticket, now: float) -> Refusal | None:
+        """Admit a NEW ticket: granted now (GRANTED, None returned), refused (REFUSED, the
+        Refusal returned), or waiting (WAITING, None returned) until it is granted by a
+        later operation, withdrawn, or expires (see :meth:`advance`)."""
+        too_large = self._too_large(ticket)
+        if too_large is not None:
+            return self._refuse(ticket, too_large)
+        if self._start_if_it_fits(ticket, now):
+            return None
+        refusal = self._refusal(ticket, now)
+        if refusal is not None:
+            return self._refuse(ticket, refusal)
+        ticket.move(TicketState.WAITING)
+        self._enqueue(ticket, now)
+        return None
+
+    def _refuse(self, ticket: Ticket, refusal: Refusal) -> Refusal:
+        ticket.move(TicketState.REFUSED)
+        self._forget_if_idle(ticket.tenant)
+        return refusal
+
+    def _too_large(self, ticket: Ticket) -> Refusal | None:
+        cost = ticket.cost
+        for pool in ticket.pools:
+            if cost > pool.budget:
+                what = (
+                    f"tenant {ticket.tenant.name!r}'s max_tokens_in_flight"
+                    if pool is ticket.tenant.pool
+                    else f"{pool.name.replace(':', ' ')}'s token_budget"
+                )
+                return Refusal(
+                    RejectReason.TOO_LARGE,
+                    f"the run reserves {cost} tokens (its prompt and the most output it may "
+                    f"make), more than {what} of {pool.budget:g}: it could never start; ask "
+                    "for fewer output tokens (max_tokens) or send a shorter prompt",
+                    None,
+                )
+        return None
+
+    def _fits_now(self, ticket: Ticket, now: float) -> bool:
+        lane = ticket.lane
+        if not (ticket.tenant.ready(ticket.cost, now) and lane.has_room):
+            return False
+        if not all(pool.fits_tokens(ticket.cost) for pool in ticket.pools[1:]):
+            return False
+        # a run waiting past its bound holds the tokens it lacks: nothing ranked after it
+        # takes them (nor does a newcomer, ranked after everyone waiting)
+        return not self._held_against(ticket)
+
+    def _held_against(self, ticket: Ticket) -> bool:
+        return any(
+            pool.hold is not None and pool.hold is not ticket and pool.hold.rank < ticket.rank
+            for pool in ticket.pools
+        )
+
+    def _refusal(self, ticket: Ticket, now: float) -> Refusal | None:
+        """Why a run that cannot start now is refused at once, or None: it may wait."""
+        full = self._full(ticket)
+        if full is not None:
+            return full
+        lane, timeout = ticket.lane, ticket.timeout
+        if timeout <= 0:
+            return Refusal(
+                RejectReason.QUEUE_TIMEOUT,
+                "no capacity and queue_timeout is 0",
+                lane.rate.wait_for(lane.waiting, 1.0),
+            )
+        bucket = ticket.tenant.bucket
+        if bucket is not None:
+            wait = bucket.wait_for(ticket.cost, now)
+            if wait > timeout:
+                return Refusal(
+                    RejectReason.RATE_LIMITED,
+                    f"tenant {ticket.tenant.name!r} is over its tokens_per_minute "
+                    f"({bucket.size:g}): the {ticket.cost} tokens this run reserves come "
+                    f"back in {wait:.1f}s, past its {timeout:g}s queue timeout",
+                    clamp_retry_after(wait),
+                )
+        if self.early_reject:
+            estimate = lane.estimated_wait(ticket.priority, ticket.tenant)
+            if estimate is not None and estimate > timeout:
+                return Refusal(
+                    RejectReason.QUEUE_TIMEOUT,
+                    f"about {estimate:.1f}s of queue ahead on {lane.name}, more than the "
+                    f"{timeout:g}s it may wait (decided at once)",
+                    clamp_retry_after(estimate - timeout),
+                )
+        return None
+
+    def _full(self, ticket: Ticket) -> Refusal | None:
+        """The queue bound a new waiter would break, or None."""
+        lane, tenant = ticket.lane, ticket.tenant
+        if self.queued >= self.max_queued:
+            message = (
+                f"the node's queue is full (max_queued {self.max_queued}, {self.queued} waiting)"
+            )
+            hint = self.rate.wait_for(self.queued - self.max_queued, 1.0)
+        elif lane.max_queued is not None and lane.waiting >= lane.max_queued:
+            message = (
+                f"the queue of {lane.name} is full "
+                f"(its max_queued {lane.max_queued}, {lane.waiting} waiting)"
+            )
+            hint = lane.rate.wait_for(lane.waiting - lane.max_queued, 1.0)
+        elif tenant.max_queued is not None and tenant.queued >= tenant.max_queued:
+            message = (
+                f"the queue of tenant {tenant.name!r} is full "
+                f"(its max_queued {tenant.max_queued}, {tenant.queued} waiting)"
+            )
+            hint = self.rate.wait_for(tenant.queued - tenant.max_queued, 1.0)
+        else:
+            return None
+        return Refusal(RejectReason.QUEUE_FULL, message, hint)
+
+    # --- granting and ending -------------------------------------------------------------
+
+    def _grant(self, ticket: Ticket, now: float, *, queued: bool) -> None:
+        ticket.move(TicketState.GRANTED)
+        for pool in ticket.pools:
+            pool.running += 1
+            pool.reserved += ticket.cost
+        bucket = ticket.tenant.bucket
+        if bucket is not None:
+            bucket.level(now)
+            bucket.charge(ticket.cost)
+        self._drop_holds(ticket)
+        running = self.running_by_priority
+        running[ticket.priority] = running.get(ticket.priority, 0) + 1
+        lane = ticket.lane
+        if queued:  # service while runs wait: a sample of the target's rate
+            lane.rate.tick(now, since=lane.backlogged_since)
+        else:
+            lane.rate.last = now
+        self.rate.tick(now)
+
+    def release(self, ticket: Ticket, now: float, used: int | None = None) -> list[Ticket]:
+        """A granted run ended: give back its place and its reserved tokens, and settle
+        its tenant's token rate with ``used`` (the tokens it really took; None: what it
+        reserved). Returns the runs this let start."""
+        ticket.move(TicketState.RELEASED)
+        for pool in ticket.pools:
+            pool.running -= 1
+            pool.reserved -= ticket.cost
+        bucket = ticket.tenant.bucket
+        if bucket is not None and used is not None:
+            bucket.level(now)
+            bucket.credit(ticket.cost - used)
+        running = self.running_by_priority
+        running[ticket.priority] -= 1
+        if not running[ticket.priority]:
+            del running[ticket.priority]
+        self._forget_if_idle(ticket.tenant)
+        return self.dispatch(now)
+
+    def withdraw(self, key: object) -> Ticket | None:
+        """Take ``key``'s waiting run out of the queue (WITHDRAWN); None if none waits."""
+        ticket = self._waiting.get(key)
+        if ticket is None:
+            return None
+        self._dequeue(ticket)
+        ticket.move(TicketState.WITHDRAWN)
+        self._forget_if_idle(ticket.tenant)
+        return ticket
+
+    def waiting(self, key: object) -> Ticket | None:
+        return self._waiting.get(key)
+
+    def advance(self, now: float) -> tuple[list[Ticket], list[tuple[Ticket, Refusal]]]:
+        """What the time brings: runs whose queue deadline passed (EXPIRED, with their
+        Refusal), then the runs a refilled token rate lets start."""
+        expired = []
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            _, _, ticket = heapq.heappop(deadlines)
+            if ticket.state is not TicketState.WAITING:
+                continue
+            refusal = self.expiry(ticket, now)
+            self._dequeue(ticket)
+            ticket.move(TicketState.EXPIRED)
+            self._forget_if_idle(ticket.tenant)
+            expired.append((ticket, refusal))
+        return self.dispatch(now), expired
+
+    def expiry(self, ticket: Ticket, now: float) -> Refusal:
+        """The Refusal of a run whose queue deadline passed at ``now``."""
+        lane, tenant = ticket.lane, ticket.tenant
+        if not tenant.rate_ready(ticket.cost, now) or not tenant.pool.fits_tokens(ticket.cost):
+            bucket = tenant.bucket
+            wait = 1.0 if bucket is None else bucket.wait_for(ticket.cost, now)
+            return Refusal(
+                RejectReason.RATE_LIMITED,
+                f"tenant {tenant.name!r} was over its token rate or tokens in flight for "
+                f"the {ticket.timeout:g}s this run could wait on {lane.name}",
+                clamp_retry_after(wait),
+            )
+        return Refusal(
+            RejectReason.QUEUE_TIMEOUT,
+            f"no capacity on {lane.name} within {ticket.timeout:g}s",
+            lane.rate.wait_for(lane.waiting, ticket.timeout),
+        )
+
+    def wakeup(self, now: float) -> float:
+        """When :meth:`advance` next has something to do: the earliest queue deadline, or
+        when a tenant's token rate lets its waiting head start, or when a waiting run
+        reaches its hold bound (``math.inf``: nothing)."""
+        when = INF
+        while self._deadlines and self._deadlines[0][2].state is not TicketState.WAITING:
+            heapq.heappop(self._deadlines)
+        if self._deadlines:
+            when = self._deadlines[0][0]
+        if not self.tokens_in_use:
+            return when
+        for lane in self._busy:
+            for level in lane.levels.values():
+                for tenant, flow in level.flows.items():
+                    head = next(iter(flow))
+                    if tenant.bucket is not None and not tenant.rate_ready(head.cost, now):
+                        when = min(when, now + tenant.bucket.wait_for(head.cost, now))
+                    if not head.holding and any(not p.fits_tokens(head.cost) for p in head.pools):
+                        when = min(when, max(now, head.enqueued + self.hold_after))
+        return when
+
+    def dispatch(self, now: float) -> list[Ticket]:
+        """Grant the best run that may start, until none may: of each target with room,
+        its candidates in order (:meth:`Lane.candidates`), the first that fits its pools
+        and is not held back by a hold; across targets the best by rank. Runs that lack
+        tokens past ``hold_after`` take their holds first."""
+        granted: list[Ticket] = []
+        while self._busy and self.node.has_room:
+            lanes = [lane for lane in self._busy if lane.has_room]
+            if self.tokens_in_use:  # holds first, so nothing below is granted past one
+                self._place_holds(now, lanes)
+            best: Ticket | None = None
+            for lane in lanes:
+                for ticket in lane.candidates(now):
+                    if self._held_against(ticket):
+                        continue
+                    if all(pool.fits_tokens(ticket.cost) for pool in ticket.pools[1:]):
+                        if best is None or ticket.rank < best.rank:
+                            best = ticket
+                        break
+            if best is None:
+                break
+            self._dequeue(best, served=True)
+            self._grant(best, now, queued=True)
+            granted.append(best)
+        return granted
+
+    def _place_holds(self, now: float, lanes: list[Lane] | None = None) -> None:
+        for lane in list(self._busy) if lanes is None else lanes:
+            for ticket in lane.candidates(now):
+                self._maybe_hold(ticket, now)
+
+    def _maybe_hold(self, ticket: Ticket, now: float) -> None:
+        """A run that has waited ``hold_after`` and lacks a pool's tokens holds that pool
+        (unless a run ranked before it holds it already)."""
+        if now - ticket.enqueued < self.hold_after:
+            return
+        for pool in ticket.pools[1:]:
+            if not pool.fits_tokens(ticket.cost) and (
+                pool.hold is None or ticket.rank < pool.hold.rank
+            ):
+                if pool.hold is not None:
+                    pool.hold.holding.remove(pool)
+                pool.hold = ticket
+                ticket.holding.append(pool)
+
+    def _drop_holds(self, ticket: Ticket) -> None:
+        for pool in ticket.holding:
+            pool.hold = None
+        ticket.holding.clear()
+
+    def _enqueue(self, ticket: Ticket, now: float) -> None:
+        lane = ticket.lane
+        level = lane.levels.get(ticket.priority)
+        if level is None:
+            level = lane.levels[ticket.priority] = Level()
+        level.add(ticket)
+        if not lane.waiting:
+            lane.backlogged_since = now
+        lane.waiting += 1
+        ticket.tenant.queued += 1
+        ticket.enqueued = now
+        ticket.deadline = now + ticket.timeout
+        self._waiting[ticket.key] = ticket
+        self._busy[lane] = None
+        self.queued += 1
+        heapq.heappush(self._deadlines, (ticket.deadline, ticket.order, ticket))
+
+    def _dequeue(self, ticket: Ticket, *, served: bool = False) -> None:
+        """Take a waiting ``ticket`` out of the queue (``served``: it is being granted)."""
+        lane = ticket.lane
+        level = lane.levels[ticket.priority]
+        if served:
+            level.served(ticket)
+        else:
+            level.remove(ticket)
+        if not level.flows:
+            # the level goes, and with it its virtual times: they mean nothing once no
+            # tenant is backlogged at it
+            del lane.levels[ticket.priority]
+        del self._waiting[ticket.key]
+        lane.waiting -= 1
+        ticket.tenant.queued -= 1
+        self.queued -= 1
+        if not lane.waiting:
+            del self._busy[lane]
+        if not served:
+            self._drop_holds(ticket)
+
+    def _forget_if_idle(self, tenant: Tenant) -> None:
+        # a tenant never set is kept only while it has runs, so names cannot pile up
+        if tenant.idle and self.tenants.get(tenant.name) is tenant:
+            del self.tenants[tenant.name]
+
+    # --- introspection -------------------------------------------------------------------
+
+    @property
+    def deadlines(self) -> int:
+        """Queue deadlines still to be met (of waiting runs)."""
+        return sum(1 for _, _, t in self._deadlines if t.state is TicketState.WAITING)
+
+    def queued_by_priority(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for lane in self._busy:
+            for priority, level in lane.levels.items():
+                counts[priority] = counts.get(priority, 0) + level.size
+        return counts
+
+    def waiting_tickets(self) -> list[Ticket]:
+        return list(self._waiting.values())
+
+
+def pool_stats(pool: Pool) -> PoolStats:
+    return PoolStats(pool.limit, pool.running, pool.budget, pool.reserved)
+
+
+def _budget(what: str, budget: int | None) -> float:
+    return INF if budget is None else check_limit(what, budget, 1)
