@@ -65,7 +65,8 @@ from __future__ import annotations
 import enum
 import heapq
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Mapping
+from contextlib import closing
 
 import attrs
 
@@ -222,7 +223,7 @@ class Ticket:
     deadline: float = INF
     state: TicketState = TicketState.NEW
     #: the pools it holds (module docstring: small runs do not starve a large one)
-    holding: list[Pool] = attrs.field(factory=list)
+    holding: list[Pool] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -318,24 +319,27 @@ class Level:
         flow = self.flows.get(tenant)
         return flow is not None and self.vtime[tenant] == vtime and next(iter(flow)).order == order
 
-    def heads(self, now: float, most: int) -> list[Ticket]:
+    def heads(self, now: float, most: int) -> Generator[Ticket, None, None]:
         """Up to ``most`` flows' heads whose tenant is ready for them, in fair order (the
-        smallest virtual time first, the older head on a tie)."""
+        smallest virtual time first, the older head on a tie), found as they are asked
+        for: a caller that stops at the first costs one heap look."""
         heap = self.heap
         taken = []
-        found: list[Ticket] = []
-        while heap and len(found) < most:
-            entry = heap[0]
-            if not self._current(entry):
-                heapq.heappop(heap)
-                continue
-            taken.append(heapq.heappop(heap))
-            head = next(iter(self.flows[entry[3]]))
-            if entry[3].ready(head.cost, now):
-                found.append(head)
-        for entry in taken:
-            heapq.heappush(heap, entry)
-        return found
+        found = 0
+        try:
+            while heap and found < most:
+                entry = heap[0]
+                if not self._current(entry):
+                    heapq.heappop(heap)
+                    continue
+                taken.append(heapq.heappop(heap))
+                head = next(iter(self.flows[entry[3]]))
+                if entry[3].ready(head.cost, now):
+                    found += 1
+                    yield head
+        finally:  # the caller may stop early: the heap is put back either way
+            for entry in taken:
+                heapq.heappush(heap, entry)
 
     def ahead_of(self, tenant: Tenant) -> int:
         """How many of the runs waiting here would start before a new run of ``tenant``
@@ -407,7 +411,7 @@ class Lane:
             ahead += level.ahead_of(tenant)
         return (ahead + 1) * self.rate.interval
 
-    def candidates(self, now: float) -> Iterator[Ticket]:
+    def candidates(self, now: float) -> Generator[Ticket, None, None]:
         """Its waiting runs whose tenant is ready for them, in the order they should go:
         priority, then fair, then oldest (at most :data:`BACKFILL` a level)."""
         for priority in sorted(self.levels, reverse=True):
@@ -891,13 +895,9 @@ class Scheduler:
                 self._place_holds(now, lanes)
             best: Ticket | None = None
             for lane in lanes:
-                for ticket in lane.candidates(now):
-                    if self._held_against(ticket):
-                        continue
-                    if all(pool.fits_tokens(ticket.cost) for pool in ticket.pools[1:]):
-                        if best is None or ticket.rank < best.rank:
-                            best = ticket
-                        break
+                ticket = self._first_to_go(lane, now)
+                if ticket is not None and (best is None or ticket.rank < best.rank):
+                    best = ticket
             if best is None:
                 break
             self._dequeue(best, served=True)
@@ -905,10 +905,21 @@ class Scheduler:
             granted.append(best)
         return granted
 
+    def _first_to_go(self, lane: Lane, now: float) -> Ticket | None:
+        """``lane``'s first candidate that fits its pools and no hold holds back."""
+        with closing(lane.candidates(now)) as candidates:
+            for ticket in candidates:
+                if not self._held_against(ticket) and all(
+                    pool.fits_tokens(ticket.cost) for pool in ticket.pools[1:]
+                ):
+                    return ticket
+        return None
+
     def _place_holds(self, now: float, lanes: list[Lane] | None = None) -> None:
         for lane in list(self._busy) if lanes is None else lanes:
-            for ticket in lane.candidates(now):
-                self._maybe_hold(ticket, now)
+            with closing(lane.candidates(now)) as candidates:
+                for ticket in candidates:
+                    self._maybe_hold(ticket, now)
 
     def _maybe_hold(self, ticket: Ticket, now: float) -> None:
         """A run that has waited ``hold_after`` and lacks a pool's tokens holds that pool
@@ -919,15 +930,18 @@ class Scheduler:
             if not pool.fits_tokens(ticket.cost) and (
                 pool.hold is None or ticket.rank < pool.hold.rank
             ):
-                if pool.hold is not None:
+                if pool.hold is not None and pool.hold.holding is not None:
                     pool.hold.holding.remove(pool)
                 pool.hold = ticket
+                if ticket.holding is None:
+                    ticket.holding = []
                 ticket.holding.append(pool)
 
     def _drop_holds(self, ticket: Ticket) -> None:
-        for pool in ticket.holding:
-            pool.hold = None
-        ticket.holding.clear()
+        if ticket.holding:
+            for pool in ticket.holding:
+                pool.hold = None
+        ticket.holding = None
 
     def _enqueue(self, ticket: Ticket, now: float) -> None:
         lane = ticket.lane
