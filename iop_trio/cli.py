@@ -1191,11 +1191,10 @@ def config_warnings(config: NodeConfig, limits: Limits) -> list[str]:
     if config.edge.url.startswith("ws://") and not is_loopback(edge_host):
         warnings.append(
             f"edge.url {redact_url(config.edge.url)} is not TLS and not on loopback: the token "
-            "and every "
-            "prompt cross the network in the clear (use wss://)"
+            "and every prompt cross the network in the clear (use wss://)"
         )
     for name, target in zip(limits.targets, config.targets, strict=True):
-        if target.concurrency > limits.concurrency:
+        if isinstance(target.concurrency, int) and target.concurrency > limits.concurrency:
             warnings.append(
                 f"target {name} allows {target.concurrency} runs at once, more than the node's "
                 f"runtime.concurrency {limits.concurrency}"

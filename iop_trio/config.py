@@ -38,6 +38,9 @@ import yaml
 from .adapters.base import Adapter
 from .adapters.registry import AdapterRegistry, default_registry
 from .model import (
+    MAX_OUTPUT_TOKENS,
+    TOKENIZERS,
+    AutoConcurrency,
     TargetSpec,
     TenantLimits,
     field_check,
@@ -48,6 +51,7 @@ from .model import (
     tenant_problem,
 )
 from .runtime import AdapterSlot, RuntimeLimits
+from .runtime.scheduler import HOLD_AFTER
 from .structure import problems, strict_converter
 from .transport.tls import client_context
 
@@ -65,6 +69,45 @@ def _int_at_least(low: int) -> Callable[[Any, Any, Any], None]:
 
 _non_negative = field_check(seconds_problem)
 _positive = field_check(lambda value: seconds_problem(value, positive=True))
+_positive_number = field_check(positive_problem)
+
+
+def _concurrency(low: int) -> Callable[[Any, Any, Any], None]:
+    """A concurrency: an integer >= ``low``, or ``auto`` (a learned one)."""
+
+    def problem(value: object) -> str | None:
+        if value == "auto":
+            return None
+        found = limit_problem(value, low)
+        return None if found is None else f"{found}, or auto"
+
+    return field_check(problem)
+
+
+def _tokenizer(value: object) -> str | None:
+    if value in TOKENIZERS:
+        return None
+    return f"must be one of {', '.join(sorted(TOKENIZERS))}, not {value!r}"
+
+
+def _auto(
+    concurrency: object, low: int | None, high: int | None, where: str
+) -> AutoConcurrency | None:
+    """The learned concurrency that ``concurrency: auto`` with ``concurrency_min`` and
+    ``concurrency_max`` asks for (None for a number); ValueError for bounds without auto
+    or a minimum over the maximum."""
+    if concurrency != "auto":
+        if low is not None or high is not None:
+            raise ValueError("concurrency_min, concurrency_max: only with concurrency: auto")
+        return None
+    auto = AutoConcurrency(
+        1 if low is None else low, AutoConcurrency().maximum if high is None else high
+    )
+    if auto.minimum > auto.maximum:
+        raise ValueError(
+            f"concurrency_min: {auto.minimum} is over concurrency_max {auto.maximum} ({where})"
+        )
+    return auto
 
 
 @attrs.frozen
@@ -123,6 +166,12 @@ class RuntimeConfig:
     early_reject: bool = False
     #: seconds between asks of each engine which models it serves (null: never)
     probe_interval: float | None = attrs.field(default=30.0, validator=_positive)
+    #: the most tokens all runs reserve at once (null: no budget)
+    token_budget: int | None = attrs.field(default=None, validator=_int_at_least(1))
+    #: the most output tokens a run reserves when neither it nor its target says
+    max_output_tokens: int = attrs.field(default=MAX_OUTPUT_TOKENS, validator=_int_at_least(1))
+    #: seconds a run that lacks tokens may be passed by smaller runs before it holds them
+    hold_after: float = attrs.field(default=HOLD_AFTER, validator=_non_negative)
 
 
 @attrs.frozen
@@ -133,9 +182,17 @@ class TenantConfig:
     weight: float = attrs.field(default=1.0, validator=field_check(positive_problem))
     max_queued: int | None = attrs.field(default=None, validator=_int_at_least(0))
     concurrency: int | None = attrs.field(default=None, validator=_int_at_least(0))
+    max_tokens_in_flight: int | None = attrs.field(default=None, validator=_int_at_least(1))
+    tokens_per_minute: float | None = attrs.field(default=None, validator=_positive_number)
 
     def limits(self) -> TenantLimits:
-        return TenantLimits(self.weight, self.max_queued, self.concurrency)
+        return TenantLimits(
+            self.weight,
+            self.max_queued,
+            self.concurrency,
+            self.max_tokens_in_flight,
+            self.tokens_per_minute,
+        )
 
 
 @attrs.frozen
@@ -143,9 +200,28 @@ class AdapterConfig:
     """One adapter instance. ``settings`` are the kind's own keys (base_url, api_key, ...)."""
 
     kind: str
-    concurrency: int | None = attrs.field(default=None, validator=_int_at_least(1))
+    # an integer, or "auto": learned between concurrency_min and concurrency_max
+    concurrency: int | str | None = attrs.field(default=None, validator=_concurrency(1))
     max_concurrency: int | None = attrs.field(default=None, validator=_int_at_least(1))
+    concurrency_min: int | None = attrs.field(default=None, validator=_int_at_least(1))
+    concurrency_max: int | None = attrs.field(default=None, validator=_int_at_least(1))
+    token_budget: int | None = attrs.field(default=None, validator=_int_at_least(1))
     settings: dict[str, Any] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        high = self.concurrency_max
+        if self.concurrency == "auto" and high is None and self.max_concurrency is not None:
+            high = self.max_concurrency  # learned up to the engine's own bound
+        _auto(self.concurrency, self.concurrency_min, high, "the adapter")
+
+    def auto(self) -> AutoConcurrency | None:
+        high = self.concurrency_max
+        if high is None and self.concurrency == "auto":
+            high = self.max_concurrency
+        return _auto(self.concurrency, self.concurrency_min, high, "the adapter")
+
+    def static_concurrency(self) -> int | None:
+        return None if self.concurrency == "auto" else self.concurrency  # type: ignore[return-value]
 
 
 @attrs.frozen
@@ -153,10 +229,19 @@ class TargetConfig:
     adapter: str
     model: str
     profile: str = ""
-    concurrency: int = attrs.field(default=1, validator=_int_at_least(0))
+    # an integer, or "auto": learned between concurrency_min and concurrency_max
+    concurrency: int | str = attrs.field(default=1, validator=_concurrency(0))
+    concurrency_min: int | None = attrs.field(default=None, validator=_int_at_least(1))
+    concurrency_max: int | None = attrs.field(default=None, validator=_int_at_least(1))
     max_queued: int | None = attrs.field(default=None, validator=_int_at_least(0))
     queue_timeout: float | None = attrs.field(default=None, validator=_non_negative)
     params: dict[str, Any] = attrs.field(factory=dict)
+    # tokens (see docs/operations.md): a budget for its runs' reservations, the most
+    # output a run reserves when it sets no bound, how prompts are counted
+    token_budget: int | None = attrs.field(default=None, validator=_int_at_least(1))
+    max_output_tokens: int | None = attrs.field(default=None, validator=_int_at_least(1))
+    tokenizer: str = attrs.field(default="estimate", validator=field_check(_tokenizer))
+    chars_per_token: float = attrs.field(default=4.0, validator=_positive_number)
     max_prompt_bytes: int | None = attrs.field(default=None, validator=_int_at_least(1))
     max_output_bytes: int | None = attrs.field(default=None, validator=_int_at_least(1))
     max_run_time: float | None = attrs.field(default=None, validator=_positive)
@@ -166,12 +251,21 @@ class TargetConfig:
     # {min, max}; checked with the rest of the target (model.option_rules_problem)
     option_caps: dict[str, Any] = attrs.field(factory=dict)
 
+    def __attrs_post_init__(self) -> None:
+        _auto(self.concurrency, self.concurrency_min, self.concurrency_max, "the target")
+
     def spec(self) -> TargetSpec:
+        auto = _auto(self.concurrency, self.concurrency_min, self.concurrency_max, "the target")
         return TargetSpec(
             adapter=self.adapter,
             model=self.model,
             profile=self.profile,
-            concurrency=self.concurrency,
+            concurrency=auto.maximum if auto is not None else int(self.concurrency),
+            auto=auto,
+            token_budget=self.token_budget,
+            max_output_tokens=self.max_output_tokens,
+            tokenizer=self.tokenizer,
+            chars_per_token=self.chars_per_token,
             max_queued=self.max_queued,
             queue_timeout=self.queue_timeout,
             params=dict(self.params),
@@ -244,6 +338,9 @@ class NodeConfig:
             store_grace=r.store_grace,
             early_reject=r.early_reject,
             probe_interval=r.probe_interval,
+            token_budget=r.token_budget,
+            max_output_tokens=r.max_output_tokens,
+            hold_after=r.hold_after,
             tenants={name: t.limits() for name, t in self.tenants.items()},
         )
 
@@ -286,7 +383,12 @@ class NodeConfig:
         slots = []
         for name, cfg in self.adapters.items():
             slots.append(
-                AdapterSlot(_make_adapter(registry, name, cfg, self.source), cfg.concurrency)
+                AdapterSlot(
+                    _make_adapter(registry, name, cfg, self.source),
+                    cfg.static_concurrency(),
+                    token_budget=cfg.token_budget,
+                    auto=cfg.auto(),
+                )
             )
         return slots
 
@@ -359,12 +461,30 @@ def _make_adapter(registry: AdapterRegistry, name: str, cfg: AdapterConfig, sour
 def _strict_converter() -> cattrs.Converter:
     conv = strict_converter()
 
+    def number_or_word(value: Any, _: type) -> int | str:
+        # a concurrency: its validator says which numbers and words it takes
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ValueError(f"must be an integer or auto, not {value!r}")
+        return value
+
+    conv.register_structure_hook(int | str, number_or_word)
+    conv.register_structure_hook(
+        int | str | None, lambda v, t: None if v is None else number_or_word(v, t)
+    )
+
     base_adapter = conv.get_structure_hook(AdapterConfig)
 
     def adapter(value: Any, _: type) -> AdapterConfig:
         if not isinstance(value, Mapping):
             raise ValueError(f"must be a mapping, not {value!r}")
-        known = {"kind", "concurrency", "max_concurrency"}
+        known = {
+            "kind",
+            "concurrency",
+            "max_concurrency",
+            "concurrency_min",
+            "concurrency_max",
+            "token_budget",
+        }
         core = {k: v for k, v in value.items() if k in known}
         settings = {k: v for k, v in value.items() if k not in known}
         if "settings" in value:

@@ -211,6 +211,25 @@ class RunSpec:
     queue_timeout: float | None = None
 
 
+#: Where a target's runs' prompt tokens are counted at admission: the node's estimate
+#: (:func:`estimate_prompt_tokens`), or the engine's own tokenizer (``POST /tokenize``
+#: as vLLM takes it, with the messages, or as llama.cpp's server does, with the content).
+TOKENIZERS = frozenset({"estimate", "vllm", "llamacpp"})
+#: The most output tokens a run reserves when neither it, its target's caps nor its
+#: target's ``max_output_tokens`` say (``runtime.max_output_tokens``).
+MAX_OUTPUT_TOKENS = 1024
+
+
+@attrs.frozen
+class AutoConcurrency:
+    """A concurrency learned, not set: between ``minimum`` and ``maximum`` runs at once,
+    from the engine's own signals where it exposes them (``engine``), else from the
+    latency of its runs (``latency``); see :mod:`iop_trio.runtime.capacity`."""
+
+    minimum: int = 1
+    maximum: int = 64
+
+
 def _names_or_none(names: Iterable[str] | None) -> frozenset[str] | None:
     return None if names is None else frozenset(names)
 
@@ -244,6 +263,14 @@ class TargetSpec:
     # what callers may set (see caller_options); None takes the adapter's default
     allow_options: frozenset[str] | None = attrs.field(default=None, converter=_names_or_none)
     option_caps: Mapping[str, float | Mapping[str, float]] = attrs.field(factory=dict)
+    # tokens: the most its runs reserve at once (None: no budget), the most output a run
+    # reserves when it asks for no bound (None: the node's), how prompt tokens are counted
+    token_budget: int | None = None
+    max_output_tokens: int | None = None
+    tokenizer: str = "estimate"
+    chars_per_token: float = 4.0
+    #: a learned concurrency instead of ``concurrency`` (None: ``concurrency`` is the limit)
+    auto: AutoConcurrency | None = None
 
     @property
     def name(self) -> str:

@@ -220,6 +220,10 @@ def tenant_limits_to_pb(limits: TenantLimits) -> pb.TenantLimits:
         message.max_queued = limits.max_queued
     if limits.concurrency is not None:
         message.concurrency = limits.concurrency
+    if limits.max_tokens_in_flight is not None:
+        message.max_tokens_in_flight = limits.max_tokens_in_flight
+    if limits.tokens_per_minute is not None:
+        message.tokens_per_minute = limits.tokens_per_minute
     return message
 
 
@@ -229,6 +233,12 @@ def tenant_limits_from_pb(message: pb.TenantLimits) -> TenantLimits:
         weight=message.weight or 1.0,
         max_queued=message.max_queued if message.HasField("max_queued") else None,
         concurrency=message.concurrency if message.HasField("concurrency") else None,
+        max_tokens_in_flight=(
+            message.max_tokens_in_flight if message.HasField("max_tokens_in_flight") else None
+        ),
+        tokens_per_minute=(
+            message.tokens_per_minute if message.HasField("tokens_per_minute") else None
+        ),
     )
 
 

@@ -26,7 +26,9 @@ import trio
 from .. import __version__
 from ..adapters.base import Adapter, AdapterError, AdapterRequest
 from ..model import (
+    MAX_OUTPUT_TOKENS,
     AdapterInfo,
+    AutoConcurrency,
     InvalidRequest,
     Limits,
     NodeInfo,
@@ -42,6 +44,7 @@ from ..model import (
 from ..store.base import RunStore
 from .gate import Gate
 from .manager import RunManager, notify
+from .scheduler import HOLD_AFTER, Pool
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +82,11 @@ class RuntimeLimits:
     tenants: Mapping[str, TenantLimits] = attrs.field(factory=dict)
     early_reject: bool = False
     probe_interval: float | None = None
+    #: the most tokens all runs reserve at once (None: no budget); the most output a run
+    #: reserves when nothing else says; how long a run lacking tokens may be passed
+    token_budget: int | None = None
+    max_output_tokens: int = MAX_OUTPUT_TOKENS
+    hold_after: float = HOLD_AFTER
 
 
 @attrs.frozen
@@ -87,6 +95,8 @@ class AdapterSlot:
 
     adapter: Adapter
     concurrency: int | None = None
+    token_budget: int | None = None
+    auto: AutoConcurrency | None = None  # a learned concurrency instead of ``concurrency``
 
 
 def _either(own: T | None, default: T | None) -> T | None:
@@ -112,11 +122,15 @@ class Node:
         self.version = __version__
         self.runtime = limits or RuntimeLimits()
         self.store = store
+        #: the pools whose concurrency is learned (``concurrency: auto``), by pool name
+        self.auto: dict[str, tuple[AutoConcurrency, Pool]] = {}
         self.gate = Gate(
             concurrency=self.runtime.concurrency,
             max_queued=self.runtime.max_queued,
             queue_timeout=self.runtime.queue_timeout,
             early_reject=self.runtime.early_reject,
+            token_budget=self.runtime.token_budget,
+            hold_after=self.runtime.hold_after,
         )
         for name, share in self.runtime.tenants.items():
             self.gate.set_tenant(name, share)
@@ -128,9 +142,15 @@ class Node:
             if name in self._adapters:
                 raise ValueError(f"two adapters are named {name!r}")
             self.gate.add_adapter(
-                name, slot.concurrency, max_concurrency=slot.adapter.capabilities.max_concurrency
+                name,
+                slot.concurrency if slot.auto is None else slot.auto.maximum,
+                max_concurrency=slot.adapter.capabilities.max_concurrency,
+                token_budget=slot.token_budget,
             )
             self._adapters[name] = slot.adapter
+            if slot.auto is not None:
+                adapter_pool = self.gate.adapter_pool(name)
+                self.auto[adapter_pool.name] = (slot.auto, adapter_pool)
         self.targets: dict[str, TargetSpec] = {}
         for target in targets:
             if target.name in self.targets:
@@ -143,10 +163,16 @@ class Node:
             self.gate.add_target(
                 target.name,
                 adapter=target.adapter,
-                limit=target.concurrency,
+                limit=target.concurrency if target.auto is None else target.auto.maximum,
                 max_queued=target.max_queued,
                 queue_timeout=target.queue_timeout,
+                token_budget=target.token_budget,
             )
+            if target.auto is not None:
+                self.auto[f"target:{target.name}"] = (
+                    target.auto,
+                    self.gate.target_pool(target.name),
+                )
             self.targets[target.name] = self._bounded(target)
         self._manager: RunManager | None = None
         self.started = trio.Event()

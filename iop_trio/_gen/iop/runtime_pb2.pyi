@@ -156,14 +156,18 @@ class TargetInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., adapter: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., concurrency: _Optional[int] = ..., params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., unavailable: _Optional[str] = ...) -> None: ...
 
 class TenantLimits(_message.Message):
-    __slots__ = ("weight", "max_queued", "concurrency")
+    __slots__ = ("weight", "max_queued", "concurrency", "max_tokens_in_flight", "tokens_per_minute")
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUED_FIELD_NUMBER: _ClassVar[int]
     CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_MINUTE_FIELD_NUMBER: _ClassVar[int]
     weight: float
     max_queued: int
     concurrency: int
-    def __init__(self, weight: _Optional[float] = ..., max_queued: _Optional[int] = ..., concurrency: _Optional[int] = ...) -> None: ...
+    max_tokens_in_flight: int
+    tokens_per_minute: float
+    def __init__(self, weight: _Optional[float] = ..., max_queued: _Optional[int] = ..., concurrency: _Optional[int] = ..., max_tokens_in_flight: _Optional[int] = ..., tokens_per_minute: _Optional[float] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("concurrency", "max_queued", "queue_timeout_s", "adapters", "targets", "tenants")
