@@ -221,6 +221,18 @@ MAX_OUTPUT_TOKENS = 1024
 
 
 @attrs.frozen
+class EngineSignals:
+    """What an engine says of its own load (its metrics): requests waiting inside it,
+    requests it runs (None: not said), the share of its KV cache in use, 0..1 (None:
+    not said), and when they were read (the node's clock)."""
+
+    waiting: float
+    running: float | None
+    kv_usage: float | None
+    at: float
+
+
+@attrs.frozen
 class AutoConcurrency:
     """A concurrency learned, not set: between ``minimum`` and ``maximum`` runs at once,
     from the engine's own signals where it exposes them (``engine``), else from the

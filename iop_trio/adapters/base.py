@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from ..model import Capabilities, Usage
+from ..model import Capabilities, EngineSignals, Usage
 
 
 @attrs.frozen
@@ -121,6 +121,21 @@ class Adapter(abc.ABC):
 
     #: Whether :meth:`served_models` asks an engine (so a node probes it now and then).
     probed: ClassVar[bool] = False
+    #: The run options (``outer.inner`` for a key inside a mapping) that bound how many
+    #: tokens a run may write, first the one the node sets when it reserves a bound a
+    #: run did not ask for; () for a kind that has none.
+    output_limit_options: ClassVar[tuple[str, ...]] = ()
+
+    async def count_tokens(self, request: AdapterRequest, tokenizer: str) -> int | None:
+        """The prompt tokens of ``request`` as the engine's own tokenizer counts them
+        (``tokenizer``: ``vllm`` or ``llamacpp``, the shape of its ``POST /tokenize``);
+        None if this kind has no tokenizer. AdapterError if the engine cannot say."""
+        return None
+
+    async def engine_signals(self, now: float) -> EngineSignals | None:
+        """The engine's own signals of its load (its metrics), read at ``now`` (the
+        caller's clock); None if it exposes none. AdapterError if it cannot be read."""
+        return None
 
     async def served_models(self) -> frozenset[str] | None:
         """The models the engine serves now; None: any model (nothing to ask, like echo).

@@ -118,6 +118,7 @@ class OllamaAdapter(HTTPAdapter):
     kind = "ollama"
     caller_options = CALLER_OPTIONS
     settings_type = OllamaSettings
+    output_limit_options = ("num_predict", "options.num_predict")
 
     def __init__(
         self,

@@ -34,9 +34,12 @@ from typing import Any
 
 import attrs
 import httpx
+import trio
+from prometheus_client.parser import text_string_to_metric_families
 
-from ..model import Usage
+from ..model import EngineSignals, Usage
 from ._http import (
+    HEALTH_TIMEOUT,
     MAX_LINE,
     EngineResponse,
     HTTPAdapter,
@@ -49,6 +52,33 @@ from ._http import (
     quote,
 )
 from .base import AdapterError, AdapterRequest, Chunk, Completion, Delta
+
+#: The engine metrics :meth:`OpenAIAdapter.engine_signals` reads, by what they say:
+#: vLLM's names (and its older ``gpu_cache_usage_perc``), then llama.cpp server's.
+ENGINE_METRICS: Mapping[str, tuple[str, ...]] = {
+    "waiting": ("vllm:num_requests_waiting", "llamacpp:requests_deferred"),
+    "running": ("vllm:num_requests_running", "llamacpp:requests_processing"),
+    "kv_usage": (
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "llamacpp:kv_cache_usage_ratio",
+    ),
+}
+
+
+def engine_signals_from(text: str, now: float) -> EngineSignals | None:
+    """The signals in a Prometheus exposition (summed over the samples of each name);
+    None if it has no count of waiting requests (an engine that exposes none)."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for what, names in ENGINE_METRICS.items():
+                if sample.name in names:
+                    found[what] = found.get(what, 0.0) + sample.value
+    if "waiting" not in found:
+        return None
+    return EngineSignals(found["waiting"], found.get("running"), found.get("kv_usage"), now)
+
 
 #: Params sent at the top level of the body as they are.
 PARAM_KEYS = (
@@ -138,6 +168,7 @@ class OpenAIAdapter(HTTPAdapter):
     kind = "openai"
     caller_options = frozenset(PARAM_KEYS)
     settings_type = OpenAISettings
+    output_limit_options = ("max_tokens", "max_completion_tokens")
 
     def __init__(
         self,
@@ -166,11 +197,11 @@ class OpenAIAdapter(HTTPAdapter):
             raise AdapterError(
                 "invalid_params", f"openai param 'extra_body' must be a mapping, not {extra!r}"
             )
-        if request.is_chat:
-            messages = [{"role": role, "content": content} for role, content in request.messages]
-        else:
-            messages = [{"role": "user", "content": request.prompt}]
-        body: dict[str, Any] = {"model": request.model, "messages": messages, "stream": True}
+        body: dict[str, Any] = {
+            "model": request.model,
+            "messages": _messages(request),
+            "stream": True,
+        }
         if self.include_usage:
             body["stream_options"] = {"include_usage": True}
         body.update({k: params[k] for k in PARAM_KEYS if params.get(k) is not None})
@@ -183,6 +214,80 @@ class OpenAIAdapter(HTTPAdapter):
 
     def models_url(self) -> str:
         return self.endpoint.removesuffix("/chat/completions") + "/models"
+
+    @property
+    def server_root(self) -> str:
+        """The engine server's root, where vLLM and llama.cpp's server serve
+        ``/tokenize`` and ``/metrics`` (``base_url`` less its ``/v1``)."""
+        return self.base_url.removesuffix("/v1")
+
+    async def _get_json(self, url: str, body: Mapping[str, Any]) -> Any:
+        where = f"{self.kind} engine at {url}"
+        timeout = httpx.Timeout(HEALTH_TIMEOUT)
+        with trio.move_on_after(HEALTH_TIMEOUT * 2) as bounded:
+            try:
+                response = await self.client.post(
+                    url, json=body, headers=self.request_headers(), timeout=timeout
+                )
+            except httpx.HTTPError as exc:
+                raise AdapterError("connection", f"{where}: {type(exc).__name__}: {exc}") from None
+        if bounded.cancelled_caught:
+            raise AdapterError("timeout", f"{where}: no answer within {HEALTH_TIMEOUT}s")
+        if not response.is_success:
+            raise AdapterError(
+                "engine_error", f"{where}: HTTP {response.status_code}: {quote(response.text)}"
+            )
+        try:
+            return response.json()
+        except ValueError:
+            raise AdapterError("bad_response", f"{where}: the answer is not JSON") from None
+
+    async def count_tokens(self, request: AdapterRequest, tokenizer: str) -> int | None:
+        """``POST <root>/tokenize``: vLLM's with the model and the messages (its chat
+        template applied, as the run will be: ``{"count": n}``), llama.cpp server's with
+        the text (``{"tokens": [...]}``; its chat template's few tokens not counted)."""
+        url = self.server_root + "/tokenize"
+        messages = _messages(request)
+        if tokenizer == "vllm":
+            body: dict[str, Any] = {"model": request.model, "messages": messages}
+            answer = await self._get_json(url, body)
+            count = answer.get("count") if isinstance(answer, Mapping) else None
+        elif tokenizer == "llamacpp":
+            text = "\n".join(m["content"] for m in messages)
+            answer = await self._get_json(url, {"content": text})
+            tokens = answer.get("tokens") if isinstance(answer, Mapping) else None
+            count = len(tokens) if isinstance(tokens, list) else None
+        else:
+            return None
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise AdapterError("bad_response", f"{url}: no token count in {quote(str(answer))}")
+        return count
+
+    async def engine_signals(self, now: float) -> EngineSignals | None:
+        """``GET <root>/metrics`` (vLLM's own, or ``llama-server --metrics``), read for
+        :data:`ENGINE_METRICS`; None for a 404 or an exposition without them."""
+        url = self.server_root + "/metrics"
+        where = f"{self.kind} engine at {url}"
+        timeout = httpx.Timeout(HEALTH_TIMEOUT)
+        with trio.move_on_after(HEALTH_TIMEOUT * 2) as bounded:
+            try:
+                response = await self.client.get(
+                    url, headers=self.request_headers(), timeout=timeout
+                )
+            except httpx.HTTPError as exc:
+                raise AdapterError("connection", f"{where}: {type(exc).__name__}: {exc}") from None
+        if bounded.cancelled_caught:
+            raise AdapterError("timeout", f"{where}: no metrics within {HEALTH_TIMEOUT}s")
+        if response.status_code in (404, 501):
+            return None
+        if not response.is_success:
+            raise AdapterError("engine_error", f"{where}: HTTP {response.status_code}")
+        try:
+            return engine_signals_from(response.text, now)
+        except ValueError as exc:
+            raise AdapterError(
+                "bad_response", f"{where}: not a Prometheus exposition: {exc}"
+            ) from None
 
     def model_names(self, body: Any) -> frozenset[str] | None:
         """``{"data": [{"id": ...}, ...]}``: the ids."""
@@ -277,3 +382,9 @@ class OpenAIAdapter(HTTPAdapter):
             f"{where}: the stream ended without 'data: [DONE]': truncated "
             f"(content-type {response.content_type or 'not given'!r})",
         )
+
+
+def _messages(request: AdapterRequest) -> list[dict[str, str]]:
+    if request.is_chat:
+        return [{"role": role, "content": content} for role, content in request.messages]
+    return [{"role": "user", "content": request.prompt}]

@@ -1,0 +1,234 @@
+"""Concurrency learned from the engine, sans I/O: what ``concurrency: auto`` does.
+
+An engine does not fill up on runs but on its KV cache, and no fixed number of runs
+fits a mixed load. A :class:`LearnedCapacity` holds, for one pool (an adapter's, or a
+target's), a learned **limit** (runs at once, within ``[minimum, maximum]`` and under
+every static cap, since those are other pools) and a learned **token budget** (the
+tokens the node's runs may reserve there at once: what the engine holds, as the node
+counts its runs' prompt and most output). It moves them from one of two signals, and
+says why it moved (:class:`Move`), so an operator can see it:
+
+**The engine's own signals** (``signal = "engine"``), read from its metrics at a bounded
+interval (:class:`~iop_trio.model.EngineSignals`: vLLM's ``vllm:num_requests_waiting``
+and ``vllm:kv_cache_usage_perc``, llama.cpp's ``llamacpp:requests_deferred`` and
+``llamacpp:kv_cache_usage_ratio``):
+
+- requests wait inside the engine: it has more than it takes. The limit drops to what
+  it runs, the budget to the share of the tokens in flight that those hold, and a
+  *ceiling* is kept there (``engine_waiting``);
+- none wait and the cache is in use: the budget is what the cache holds in all, as the
+  node's reservations count it (the tokens in flight over the cache's share in use),
+  times :data:`FILL`, under the ceiling; the limit grows while runs wait for it and the
+  cache has room (``engine_room``);
+- the scrape failed or is older than :data:`STALE_AFTER` intervals: that is *saturated*,
+  never free. Nothing more than runs now is let in (``stale``).
+
+**Latency** (``signal = "latency"``), for an engine that shows no signals: each run that
+succeeded gives its time to first token (TTFT) and time per output token (TPOT). Their
+ratio does not grow with the batch (a larger batch slows both alike) but jumps when a
+request waited inside the engine for others to end. So, as Gradient2 and Envoy's
+adaptive concurrency do with a latency, the ratio is smoothed and compared with a
+baseline, and:
+
+- a run whose smoothed ratio is over :data:`TOLERANCE` times the baseline came in when
+  too much was in flight: the limit moves down by the gradient (baseline x tolerance /
+  ratio, at most halving) and below the runs in flight when it came, and the budget's
+  ceiling to what was reserved when it came (``latency_waited``);
+- a run that did not wait shows what was safe: the budget may be :data:`HEADROOM` times
+  the most tokens seen in flight safely (under the ceiling); while runs wait for room
+  the budget grows by half again and the limit by the square root of itself, once a
+  probe (``latency_room``).
+
+Both start slow: the limit at ``minimum`` and the budget unbounded (the limit bounds
+what is in flight until the first signals say more).
+
+Known pitfalls, and what is done about each: cancelled, failed and rejected runs give
+no sample (their times say nothing of the engine's queue); the ratio is smoothed (an
+EWMA) before it is compared; the baseline is a minimum that only moves down, except that
+it is refreshed from runs that came when at most :attr:`~AutoConcurrency.minimum` runs
+were in flight, so sustained load cannot drag it up; increases wait at least
+:data:`PROBE_EVERY` seconds with jitter between them, so nodes sharing an engine do not
+probe in step, and so does the ceiling's slow rise (:data:`CEILING_RISE` a probe).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import random
+
+import attrs
+
+from ..model import AutoConcurrency, EngineSignals
+
+#: Scrape intervals after which an engine's last signals are stale (saturated).
+STALE_AFTER = 3
+#: The share of what the engine's cache holds that the learned budget fills.
+FILL = 0.95
+#: The cache's share in use over which the limit does not grow.
+HIGH_USE = 0.9
+#: A run's smoothed TTFT/TPOT over this many times the baseline means it waited.
+TOLERANCE = 4.0
+#: How much more than the most tokens seen in flight safely the budget lets in (latency).
+HEADROOM = 1.25
+#: Seconds between two increases, at least (each with up to a quarter more, at random).
+PROBE_EVERY = 0.5
+#: What a ceiling rises by, a probe with no sign of waiting (1.02: 2 %).
+CEILING_RISE = 1.02
+#: The weight of a new sample in the smoothed ratio.
+SMOOTHING = 0.3
+
+
+@attrs.frozen
+class RunSample:
+    """What one run that succeeded says of the engine: its time to first token and per
+    output token after it (None for a run of fewer than two tokens), and the runs and
+    tokens in flight in the pool when it was admitted (itself included)."""
+
+    ttft: float
+    tpot: float | None
+    in_flight: int
+    reserved: int
+
+
+@attrs.frozen
+class Move:
+    """A change of a learned capacity, and why."""
+
+    reason: str
+    limit: int
+    budget: float
+
+
+class LearnedCapacity:
+    """One pool's learned limit and token budget; see the module docstring. The time is
+    passed in. ``counts_tokens``: the node reserves its runs' tokens here (else the
+    budget stays unbounded and only the limit is learned)."""
+
+    def __init__(
+        self,
+        auto: AutoConcurrency,
+        *,
+        signal: str,
+        now: float,
+        counts_tokens: bool = True,
+        interval: float = 1.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        if signal not in ("engine", "latency"):
+            raise ValueError(f"signal must be engine or latency, not {signal!r}")
+        self.auto = auto
+        self.signal = signal
+        self.counts_tokens = counts_tokens
+        self.interval = interval
+        self.limit = auto.minimum  # a slow start: it grows while runs wait for it
+        self.budget = math.inf
+        self.ceiling = math.inf  # tokens: the most known not to make the engine queue
+        self.safe = 0  # tokens: the most seen in flight with no run waiting (latency)
+        self.baseline: float | None = None  # the lowest TTFT/TPOT (latency)
+        self.smoothed: float | None = None
+        self._rng = rng or random.Random()
+        self._next_probe = now
+        self.moves: collections.Counter[str] = collections.Counter()
+        self.last: Move | None = None
+
+    def __repr__(self) -> str:
+        budget = "-" if self.budget == math.inf else f"{self.budget:.0f}"
+        return (
+            f"<LearnedCapacity {self.signal} limit={self.limit} in "
+            f"[{self.auto.minimum}, {self.auto.maximum}] budget={budget}>"
+        )
+
+    def _clamp(self, limit: float) -> int:
+        return int(min(self.auto.maximum, max(self.auto.minimum, limit)))
+
+    def _may_probe(self, now: float) -> bool:
+        if now < self._next_probe:
+            return False
+        self._next_probe = now + PROBE_EVERY * (1 + 0.25 * self._rng.random())
+        return True
+
+    def _moved(self, reason: str, limit: float, budget: float) -> Move | None:
+        limit = self._clamp(limit)
+        if not self.counts_tokens:
+            budget = math.inf
+        budget = min(budget, self.ceiling)
+        if budget != math.inf:
+            budget = max(1.0, math.floor(budget))
+        if limit == self.limit and budget == self.budget:
+            return None
+        self.limit, self.budget = limit, budget
+        self.moves[reason] += 1
+        self.last = Move(reason, limit, budget)
+        return self.last
+
+    # --- the engine's own signals --------------------------------------------------------
+
+    def on_engine(
+        self,
+        signals: EngineSignals | None,
+        now: float,
+        *,
+        running: int,
+        reserved: int,
+        queued: int,
+    ) -> Move | None:
+        """A scrape of the engine (None: it failed) at ``now``, with the pool's runs and
+        tokens in flight and the runs that wait for it. Returns the move, if any."""
+        if signals is None or now - signals.at > STALE_AFTER * self.interval:
+            # saturated: let nothing more in than runs now
+            budget = reserved if self.counts_tokens and reserved else self.budget
+            return self._moved("stale", min(self.limit, running), min(self.budget, budget))
+        if signals.waiting > 0:
+            taken = max(0.0, running - signals.waiting)
+            if signals.running is not None:
+                taken = min(taken, signals.running)
+            if self.counts_tokens and reserved and running:
+                self.ceiling = max(1.0, reserved * taken / running)
+            return self._moved("engine_waiting", min(self.limit, max(1.0, taken)), self.ceiling)
+        if self.ceiling != math.inf and self._may_probe(now):
+            self.ceiling *= CEILING_RISE
+        budget = self.budget
+        use = signals.kv_usage
+        if use is not None and use > 0 and reserved > 0:
+            budget = reserved / use * FILL
+        limit: float = self.limit
+        room = use is None or use < HIGH_USE
+        if queued and running >= self.limit and room and self._may_probe(now):
+            limit = max(self.limit + 1, math.ceil(self.limit * 1.5))
+        return self._moved("engine_room", limit, budget)
+
+    # --- latency -------------------------------------------------------------------------
+
+    def on_run(self, sample: RunSample, now: float, *, running: int, queued: int) -> Move | None:
+        """A run that succeeded; ``running``/``queued``: the pool's now."""
+        if sample.tpot is None or sample.tpot <= 0:
+            return None
+        ratio = sample.ttft / sample.tpot
+        if sample.in_flight <= self.auto.minimum or self.baseline is None:
+            # came alone: nothing it waited for was the node's doing; a fresh baseline
+            self.baseline = ratio if self.baseline is None else min(self.baseline * 1.5, ratio)
+        else:
+            self.baseline = min(self.baseline, ratio)
+        baseline = max(self.baseline, 1.0)
+        self.smoothed = (
+            ratio if self.smoothed is None else (1 - SMOOTHING) * self.smoothed + SMOOTHING * ratio
+        )
+        if ratio > TOLERANCE * baseline and self.smoothed > TOLERANCE * baseline:
+            gradient = max(0.5, TOLERANCE * baseline / self.smoothed)
+            if self.counts_tokens and sample.reserved:
+                self.ceiling = min(self.ceiling, sample.reserved * 0.9)
+            lower = min(self.limit * gradient, sample.in_flight - 1)
+            self.smoothed = TOLERANCE * baseline  # one wait, one step down
+            return self._moved("latency_waited", lower, self.ceiling)
+        self.safe = max(self.safe, sample.reserved)
+        probe = bool(queued) and self._may_probe(now)
+        if probe and self.ceiling != math.inf:
+            self.ceiling *= CEILING_RISE
+        budget = max(self.budget if self.budget != math.inf else 0.0, self.safe * HEADROOM)
+        if probe:  # runs wait: try for more tokens, as for more runs
+            budget = max(budget, self.safe) * 1.5
+        limit: float = self.limit
+        if probe and running >= self.limit:
+            limit = self.limit + max(1.0, math.sqrt(self.limit))
+        return self._moved("latency_room", limit, budget)
