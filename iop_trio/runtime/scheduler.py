@@ -189,6 +189,8 @@ class Tenant:
     bucket: TokenBucket | None = None
     queued: int = 0  # waiting runs of this tenant, node-wide
     configured: bool = False  # set by set_tenant; others are forgotten when idle
+    #: tokens charged to its rate so far: what its runs reserved, corrected as they settle
+    charged: int = 0
 
     def __repr__(self) -> str:
         return f"<Tenant {self.name!r} weight={self.weight:g} queued={self.queued} {self.pool!r}>"
@@ -786,6 +788,7 @@ class Scheduler:
         if bucket is not None:
             bucket.level(now)
             bucket.charge(ticket.cost)
+        ticket.tenant.charged += ticket.cost
         self._drop_holds(ticket)
         running = self.running_by_priority
         running[ticket.priority] = running.get(ticket.priority, 0) + 1
@@ -805,9 +808,11 @@ class Scheduler:
             pool.running -= 1
             pool.reserved -= ticket.cost
         bucket = ticket.tenant.bucket
-        if bucket is not None and used is not None:
-            bucket.level(now)
-            bucket.credit(ticket.cost - used)
+        if used is not None:
+            ticket.tenant.charged += used - ticket.cost
+            if bucket is not None:
+                bucket.level(now)
+                bucket.credit(ticket.cost - used)
         running = self.running_by_priority
         running[ticket.priority] -= 1
         if not running[ticket.priority]:
