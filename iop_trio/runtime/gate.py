@@ -108,6 +108,15 @@ class Permit:
         """The tokens the run reserved."""
         return self._ticket.cost
 
+    def at_grant(self, pool: Pool) -> tuple[int, int] | None:
+        """``pool``'s runs and reserved tokens once this permit was granted (itself
+        included); None if the run does not take from it."""
+        ticket = self._ticket
+        for mine, seen in zip(ticket.pools, ticket.at_grant, strict=True):
+            if mine is pool:
+                return seen
+        return None
+
     def settle(self, used: int | None) -> None:
         """The tokens the run really used (None: unknown, its reservation stands)."""
         self.used = used
@@ -289,6 +298,11 @@ class Gate:
     def set_pool_limit(self, pool: Pool, limit: float) -> None:
         """Set a pool's limit (what a learned concurrency does)."""
         self._changed_limits(self.scheduler.set_pool_limit(pool, limit, _now()), pool)
+
+    def set_pool_budget(self, pool: Pool, budget: float) -> None:
+        """Set a pool's token budget (what a learned capacity does)."""
+        self._changed_limits(self.scheduler.set_pool_budget(pool, budget, _now()), pool)
+        self._changed.unpark_all()
 
     def set_tenant(self, name: str, limits: TenantLimits) -> None:
         """See :meth:`Scheduler.set_tenant`."""

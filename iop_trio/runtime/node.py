@@ -42,7 +42,8 @@ from ..model import (
     option_rules_problem,
 )
 from ..store.base import RunStore
-from .gate import Gate
+from .gate import Gate, Permit
+from .learning import CapacityLearner
 from .manager import RunManager, notify
 from .scheduler import HOLD_AFTER, Pool
 
@@ -124,6 +125,8 @@ class Node:
         self.store = store
         #: the pools whose concurrency is learned (``concurrency: auto``), by pool name
         self.auto: dict[str, tuple[AutoConcurrency, Pool]] = {}
+        #: what learns each of them while the node runs, by pool name
+        self.learners: dict[str, CapacityLearner] = {}
         self.gate = Gate(
             concurrency=self.runtime.concurrency,
             max_queued=self.runtime.max_queued,
@@ -189,6 +192,15 @@ class Node:
         self._described = trio.Event()
         # called with (event, record) for every run event, by every RunManager this node starts
         self.event_listeners: list[Callable[[RunEvent, RunRecord], None]] = []
+
+    def _adapter_of_pool(self, name: str) -> Adapter:
+        kind, _, which = name.partition(":")
+        return self._adapters[which if kind == "adapter" else self.targets[which].adapter]
+
+    def run_ended(self, permit: Permit, ttft: float, tpot: float | None) -> None:
+        """A run succeeded: its latency feeds the learners of the pools it took from."""
+        for learner in self.learners.values():
+            learner.run_ended(permit, ttft, tpot)
 
     def _bounded(self, target: TargetSpec) -> TargetSpec:
         """``target`` with the node's run bounds where it sets none of its own, and its
@@ -265,6 +277,12 @@ class Node:
                     listeners=self.event_listeners,
                     engine_answered=self._run_answered,
                 )
+                for name, (auto, pool) in self.auto.items():
+                    learner = CapacityLearner(
+                        name, auto, pool, self._adapter_of_pool(name), self.gate
+                    )
+                    self.learners[name] = learner
+                    nursery.start_soon(learner.run)
                 self.started.set()
                 if self.runtime.probe_interval and any(a.probed for a in self._adapters.values()):
                     nursery.start_soon(self._probe_loop, self.runtime.probe_interval)

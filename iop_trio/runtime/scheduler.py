@@ -226,6 +226,8 @@ class Ticket:
     state: TicketState = TicketState.NEW
     #: the pools it holds (module docstring: small runs do not starve a large one)
     holding: list[Pool] | None = None
+    #: each pool's (runs, reserved tokens) once it was granted, itself included
+    at_grant: tuple[tuple[int, int], ...] = ()
 
     def __repr__(self) -> str:
         return (
@@ -577,6 +579,21 @@ class Scheduler:
         pool.limit = limit if limit == INF else check_limit(f"{pool.name} concurrency", limit)
         return self.dispatch(now)
 
+    def set_pool_budget(self, pool: Pool, budget: float, now: float) -> list[Ticket]:
+        """Set any pool's token budget (a learned one, say): an int >= 1 or ``math.inf``.
+        Lowered under what is reserved, the holders keep their tokens."""
+        pool.budget = (
+            budget if budget == INF else check_limit(f"{pool.name} token_budget", budget, 1)
+        )
+        self._note_tokens()
+        return self.dispatch(now)
+
+    def waiting_for(self, pool: Pool) -> int:
+        """Runs waiting whose target takes from ``pool`` (for the node's: all)."""
+        return sum(
+            lane.waiting for lane in self._busy if pool in (lane.target, lane.adapter, lane.node)
+        )
+
     def set_tenant(self, name: str, limits: TenantLimits, now: float) -> list[Ticket]:
         """Set a tenant's weight and bounds (all of them; a tenant never set has weight 1
         and no bounds). A lower bound cancels nobody; a new weight counts from the next
@@ -784,6 +801,7 @@ class Scheduler:
         for pool in ticket.pools:
             pool.running += 1
             pool.reserved += ticket.cost
+        ticket.at_grant = tuple((p.running, p.reserved) for p in ticket.pools)
         bucket = ticket.tenant.bucket
         if bucket is not None:
             bucket.level(now)
