@@ -54,6 +54,16 @@ def test_a_chat_prompt_is_its_template_and_its_contents():
     assert len(sim.chat_tokens(messages, add_generation_prompt=False)) == len(ids) - 2
 
 
+def test_the_benchmark_prompts_come_to_four_thirds_of_a_token_a_word():
+    capacity = importlib.import_module("capacity")
+    short, long_, _ = capacity.PHASES
+    assert sim.count_tokens(capacity.prompt_of(900)) == 1200
+    assert (short.prompt_tokens, long_.prompt_tokens) == (60, 1206)
+    # all 48 short runs fit in the default cache at once; 3 long ones
+    assert 48 * (60 + 24) <= 4096 < 49 * (60 + 24)
+    assert 3 * (1206 + 124) <= 4096 < 4 * (1206 + 124)
+
+
 # --- the scheduler, on the mock clock --------------------------------------------------------
 
 
