@@ -18,8 +18,8 @@ fragment in :data:`CONFIGS`; ``--list`` prints them) this starts, on loopback:
   caller is turned away, the SQLite store, logs into a file;
 - this process: ``--clients`` (48) streaming clients, each in a loop, POSTing
   ``/v1/chat/completions`` to the door (``stream``, ``stream_options.include_usage``,
-  one httpx client), started 20 ms apart (the door takes at most 32 connections of
-  one address before they show a token).
+  one httpx client), started 20 ms apart (arrivals spread over the warm-up's first
+  second rather than one burst).
 
 Three phases, one after the other on the same processes: ``short`` (40-word prompts:
 60 prompt tokens with the chat template, ``max_tokens`` 24), ``long`` (900 words:
@@ -54,8 +54,8 @@ with the node's reason: ``auto``, ``auto-latency`` and ``token-budget-4096`` nam
 that do not exist yet. Figures are printed, never asserted; machine facts and the load
 average are printed at the start, before each configuration and at the end. Every
 process started here is ended by its pid (SIGTERM, then SIGKILL), on errors and
-Ctrl-C too. The default run (5 static configurations, 30 s phases) takes about 10
-minutes; ``--quick`` (static-4 and static-64, 8 s phases, 2 s warm-up) about 1.5.
+Ctrl-C too. The default run (5 static configurations, 30 s phases) takes about 9
+minutes; ``--quick`` (static-4 and static-64, 8 s phases, 2 s warm-up) about 75 s.
 
 ``--rev REV`` measures a committed revision's ``iop_trio`` as ``relay.py --rev`` does.
 """

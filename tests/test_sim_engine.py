@@ -379,6 +379,19 @@ async def test_a_client_that_disconnects_while_waiting_leaves_the_fifo():
     assert engine.window.gone == 1 and engine.kv_used == 90
 
 
+async def test_a_streamed_request_that_waits_has_its_headers_and_nothing_more():
+    engine = sim.Engine(kv_tokens=100, law=sim.StepLaw(3600.0, 0.0, 0.0))
+    engine.add(50, 40)  # holds the cache for an hour
+    async with served(engine) as url, httpx.AsyncClient(timeout=WAIT) as http:
+        body = chat("hi", max_tokens=20, stream=True)
+        with trio.fail_after(WAIT):
+            async with http.stream("POST", url + "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200  # as vLLM: headers before any token
+                assert len(engine.waiting) == 1
+            await engine.until(lambda: not engine.waiting)  # closed: out of the FIFO
+    assert engine.window.gone == 1 and engine.window.tokens == 0
+
+
 async def test_requests_the_engine_cannot_serve_are_refused_with_openais_error_shape():
     engine = sim.Engine(kv_tokens=100, law=FAST)
     async with served(engine) as url, httpx.AsyncClient(timeout=WAIT) as http:
