@@ -758,8 +758,11 @@ def split_ttft(
     return to_engine, from_engine
 
 
-async def read_sse(response: httpx.Response, tally: Tally, began: float) -> tuple[str | None, int]:
-    """Read a streamed chat completion as a client does; (what was wrong or None, chars)."""
+async def read_sse(
+    response: httpx.Response, tally: Tally, began: float, *, finish_reason: str = "stop"
+) -> tuple[str | None, int]:
+    """Read a streamed chat completion as a client does; (what was wrong or None, chars).
+    A stream that ends with another ``finish_reason`` than the one given is wrong."""
     decoder = SSEDecoder()
     finish = ""
     chars = 0
@@ -767,7 +770,7 @@ async def read_sse(response: httpx.Response, tally: Tally, began: float) -> tupl
     async for data in response.aiter_bytes():
         for event in decoder.feed(data):
             if event.data == "[DONE]":
-                problem = None if finish == "stop" else f"finish_reason {finish!r}"
+                problem = None if finish == finish_reason else f"finish_reason {finish!r}"
                 continue
             choices = json.loads(event.data).get("choices")
             if not choices:
@@ -1126,8 +1129,9 @@ def main(ns: argparse.Namespace) -> int:
     return 0
 
 
-def run_at_rev(rev: str, argv: list[str]) -> int:
-    """Run this benchmark (without --rev) on ``rev``'s iop_trio; its exit code."""
+def run_at_rev(rev: str, argv: list[str], script: Path | None = None) -> int:
+    """Run ``script`` (this benchmark by default) with ``argv`` less its --rev on ``rev``'s
+    iop_trio; its exit code."""
     rest, skip = [], False
     for arg in argv:
         if skip:
@@ -1151,7 +1155,7 @@ def run_at_rev(rev: str, argv: list[str]) -> int:
         # is passed on as Ctrl-C; if this process is killed, the benchmark gets SIGTERM.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         child = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), *rest],
+            [sys.executable, str((script or Path(__file__)).resolve()), *rest],
             env=env,
             preexec_fn=_die_with_parent,
         )
