@@ -57,6 +57,7 @@ from ..model import (
     UnknownRun,
     UnknownTarget,
     Usage,
+    prompt_bytes,
     seconds_problem,
     tenant_problem,
 )
@@ -301,13 +302,6 @@ def check_spec(spec: RunSpec) -> None:
             problem = "must be finite (leave it out to wait as long as the target allows)"
         if problem is not None:
             raise InvalidRequest(f"queue_timeout {problem}")
-
-
-def prompt_bytes(spec: RunSpec) -> int:
-    """The size of what a run asks the engine, in UTF-8: its prompt and chat messages."""
-    return len(spec.prompt.encode()) + sum(
-        len(role.encode()) + len(content.encode()) for role, content in spec.messages
-    )
 
 
 def _new_run_id() -> str:
