@@ -210,10 +210,14 @@ class RunEvent:
     text: str = ""
     reason: str = ""
     message: str = ""
+    # the end of a run that started: its tokens (see Usage); None for any other event
     usage: Usage | None = None
     # REJECTED: when a run like it would likely get in; FAILED: when its engine said to
     # ask again (its 429 or 503)
     retry_after: float | None = None
+    # DELTA: the engine tokens its text holds (one an engine chunk; see adapters.Delta);
+    # 0 for every other event
+    tokens: int = 0
 
     @property
     def status(self) -> RunStatus | None:
@@ -223,8 +227,12 @@ class RunEvent:
         extra = ""
         if self.text:
             extra += f" text={self.text!r}"
+        if self.kind is EventKind.DELTA and self.tokens != 1:
+            extra += f" tokens={self.tokens}"
         if self.reason:
             extra += f" reason={self.reason}"
+        if self.usage is not None:
+            extra += f" {self.usage!r}"
         return f"<RunEvent {self.run_id}#{self.seq} {self.kind.value}{extra}>"
 
 

@@ -498,6 +498,43 @@ async def test_interrupt_unfinished(store):
     del queued
 
 
+async def test_a_deltas_tokens_and_a_settled_usage_are_kept(store):
+    state = await running(store, "r1")
+    await store.append(state.delta("one two ", time=102.0, tokens=2))
+    usage = Usage("", 4, 2, prompt_estimated=True, completion_estimated=True)
+    end = state.transition(RunStatus.CANCELLED, time=103.0, reason="cancelled", usage=usage)
+    await store.append_many([end])
+    assert [e.tokens for e in await store.events("r1")] == [0, 0, 2, 0]
+    assert (await store.events("r1"))[-1] == end
+    assert await store.get("r1") == state.record
+    assert state.record.usage == usage
+
+
+async def test_a_run_found_running_is_interrupted_with_the_usage_of_its_stored_deltas(store):
+    """Its completion is what its stored deltas hold (as the run counted them), its
+    prompt estimated from its size; both marked estimated. A run found QUEUED never
+    started, and has none."""
+    run = await running(store, "running", prompt="x" * 21, messages=(("user", "hi"),))
+    await store.append(run.delta("a b c ", time=102.0, tokens=3))
+    await store.append(run.delta("d", time=102.5))  # one chunk
+    idle = await running(store, "idle")  # started, its engine sent nothing yet
+    await created(store, "queued")
+    made = await store.interrupt_unfinished(time=500.0, message="m", chars_per_token=2)
+    usages = {e.run_id: e.usage for e in made}
+    expected = Usage("", 14, 4, prompt_estimated=True, completion_estimated=True)
+    assert usages == {  # ceil((21 + 4 + 2) / 2); "hello": ceil(5 / 2)
+        "running": expected,
+        "idle": Usage("", 3, 0, prompt_estimated=True, completion_estimated=True),
+        "queued": None,
+    }
+    for event in made:
+        record = await store.get(event.run_id)
+        assert record is not None
+        assert record.usage == event.usage  # in the same write as the event
+        assert (await store.events(event.run_id))[-1] == event
+    del idle
+
+
 async def test_interrupt_unfinished_on_an_empty_store(store):
     assert await store.interrupt_unfinished(time=1.0, message="m") == []
 

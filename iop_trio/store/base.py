@@ -21,7 +21,16 @@ import attrs
 import trio
 
 from ..lifecycle import fold
-from ..model import RunEvent, RunRecord, RunStatus
+from ..model import (
+    CHARS_PER_TOKEN,
+    Prompted,
+    RunEvent,
+    RunRecord,
+    RunStatus,
+    Usage,
+    estimate_prompt_tokens,
+    settle_usage,
+)
 
 
 class StoreError(Exception):
@@ -75,6 +84,15 @@ def created_record(record: RunRecord, event: RunEvent, then: Sequence[RunEvent])
         except (ValueError, RuntimeError) as exc:  # IllegalTransition is a RuntimeError
             raise StoreError(str(exc)) from exc
     return created
+
+
+def interrupted_usage(asked: Prompted, delta_tokens: int, chars_per_token: float) -> Usage:
+    """The usage of a run found RUNNING at start-up (see
+    :meth:`RunStore.interrupt_unfinished`): the prompt it ``asked`` estimated, and the
+    ``delta_tokens`` of its stored deltas, both marked estimated."""
+    return settle_usage(
+        None, prompt=estimate_prompt_tokens(asked, chars_per_token), completion=delta_tokens
+    )
 
 
 def refused_error(refused: Sequence[str]) -> StoreError:
@@ -167,10 +185,20 @@ class RunStore(abc.ABC):
         at most ``limit`` of them (None: all)."""
 
     @abc.abstractmethod
-    async def interrupt_unfinished(self, *, time: float, message: str) -> list[RunEvent]:
+    async def interrupt_unfinished(
+        self, *, time: float, message: str, chars_per_token: float = CHARS_PER_TOKEN
+    ) -> list[RunEvent]:
         """Mark every QUEUED or RUNNING run INTERRUPTED, each with an event; return them.
 
-        Called once when a node starts, before it accepts runs.
+        Called once when a node starts, before it accepts runs. The INTERRUPTED event of
+        a run found RUNNING carries its usage (:func:`interrupted_usage`), in the same
+        write, so the usage of a run whose node died is settled once, here, and nowhere
+        else (its end was never stored, or it would not be RUNNING): its completion
+        tokens are those of its stored deltas, counted as the run counted them (one an
+        engine chunk), and its prompt tokens an estimate (``chars_per_token``), both
+        marked estimated. What the engine sent after the last stored delta (at most the
+        run's unsynced deltas: 64, or 200 ms of them), and what it generated and never
+        sent, is not counted. A run found QUEUED never started: no usage.
         """
 
     @abc.abstractmethod

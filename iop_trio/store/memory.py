@@ -8,8 +8,8 @@ import attrs
 import trio
 
 from ..lifecycle import RunState, fold
-from ..model import RunEvent, RunRecord, RunStatus
-from .base import RunStore, StoreError, created_record, refused_error
+from ..model import CHARS_PER_TOKEN, RunEvent, RunRecord, RunStatus
+from .base import RunStore, StoreError, created_record, interrupted_usage, refused_error
 
 
 class MemoryStore(RunStore):
@@ -99,12 +99,18 @@ class MemoryStore(RunStore):
         end = None if limit is None else start + max(limit, 0)
         return self._events.get(run_id, [])[start:end]
 
-    async def interrupt_unfinished(self, *, time: float, message: str) -> list[RunEvent]:
+    async def interrupt_unfinished(
+        self, *, time: float, message: str, chars_per_token: float = CHARS_PER_TOKEN
+    ) -> list[RunEvent]:
         await trio.lowlevel.checkpoint()
         made = []
         for record in self._runs.values():
             if not record.status.terminal:
-                event = RunState(record).interrupt(time=time, message=message)
+                usage = None
+                if record.status is RunStatus.RUNNING:
+                    sent = sum(e.tokens for e in self._events[record.run_id])
+                    usage = interrupted_usage(record, sent, chars_per_token)
+                event = RunState(record).interrupt(time=time, message=message, usage=usage)
                 self._events[record.run_id].append(event)
                 made.append(event)
         return made
