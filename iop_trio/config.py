@@ -38,6 +38,7 @@ import yaml
 from .adapters.base import Adapter
 from .adapters.registry import AdapterRegistry, default_registry
 from .model import (
+    CHARS_PER_TOKEN,
     TargetSpec,
     TenantLimits,
     field_check,
@@ -123,6 +124,11 @@ class RuntimeConfig:
     early_reject: bool = False
     #: seconds between asks of each engine which models it serves (null: never)
     probe_interval: float | None = attrs.field(default=30.0, validator=_positive)
+    #: characters (UTF-8 bytes) a token holds, for a prompt's tokens where an engine
+    #: reports none (model.estimate_prompt_tokens)
+    chars_per_token: float = attrs.field(
+        default=CHARS_PER_TOKEN, validator=field_check(positive_problem)
+    )
 
 
 @attrs.frozen
@@ -244,6 +250,7 @@ class NodeConfig:
             store_grace=r.store_grace,
             early_reject=r.early_reject,
             probe_interval=r.probe_interval,
+            chars_per_token=r.chars_per_token,
             tenants={name: t.limits() for name, t in self.tenants.items()},
         )
 

@@ -148,7 +148,8 @@ METRICS: tuple[MetricInfo, ...] = (
         "iop_run_tokens_total",
         "counter",
         ("target", "kind"),
-        "Tokens the engine reported at a run's end (kind prompt or completion).",
+        "Tokens the engine reported at a run's end (kind prompt or completion); the "
+        "node's own estimates, where it reported none, are not counted here.",
     ),
     MetricInfo(
         "iop_run_queue_wait_seconds",
@@ -644,10 +645,10 @@ class NodeMetrics:
         elif status is RunStatus.FAILED:
             self.failed.labels(target, event.reason or "unknown").inc()
         usage = event.usage
-        if usage is not None:
-            if usage.prompt_tokens:
+        if usage is not None:  # what the engine reported; the node's estimates are not
+            if usage.prompt_tokens and not usage.prompt_estimated:
                 self.tokens.labels(target, "prompt").inc(usage.prompt_tokens)
-            if usage.completion_tokens:
+            if usage.completion_tokens and not usage.completion_estimated:
                 self.tokens.labels(target, "completion").inc(usage.completion_tokens)
         if times is None:
             return

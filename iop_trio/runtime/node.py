@@ -26,6 +26,7 @@ import trio
 from .. import __version__
 from ..adapters.base import Adapter, AdapterError, AdapterRequest
 from ..model import (
+    CHARS_PER_TOKEN,
     AdapterInfo,
     InvalidRequest,
     Limits,
@@ -37,7 +38,9 @@ from ..model import (
     check_limit,
     check_seconds,
     check_tenant_limits,
+    field_check,
     option_rules_problem,
+    positive_problem,
 )
 from ..store.base import RunStore
 from .gate import Gate
@@ -66,6 +69,8 @@ class RuntimeLimits:
     exceeds its queue timeout (see :class:`~iop_trio.runtime.gate.Gate`).
     ``probe_interval``: every so many seconds the node asks each engine which
     models it serves (:meth:`Node.probe_engines`); None never asks.
+    ``chars_per_token``: the estimate of a run's prompt tokens where its engine reports
+    none (:func:`~iop_trio.model.estimate_prompt_tokens`).
     """
 
     concurrency: int = 8
@@ -79,6 +84,9 @@ class RuntimeLimits:
     tenants: Mapping[str, TenantLimits] = attrs.field(factory=dict)
     early_reject: bool = False
     probe_interval: float | None = None
+    chars_per_token: float = attrs.field(
+        default=CHARS_PER_TOKEN, validator=field_check(positive_problem)
+    )
 
 
 @attrs.frozen
@@ -223,7 +231,9 @@ class Node:
         try:
             async with trio.open_nursery() as nursery:
                 interrupted = await self.store.interrupt_unfinished(
-                    time=time.time(), message="the node stopped while the run was live"
+                    time=time.time(),
+                    message="the node stopped while the run was live",
+                    chars_per_token=self.runtime.chars_per_token,
                 )
                 if interrupted:
                     log.warning("marked %d unfinished runs INTERRUPTED", len(interrupted))
@@ -238,6 +248,7 @@ class Node:
                     store_grace=self.runtime.store_grace,
                     listeners=self.event_listeners,
                     engine_answered=self._run_answered,
+                    chars_per_token=self.runtime.chars_per_token,
                 )
                 self.started.set()
                 if self.runtime.probe_interval and any(a.probed for a in self._adapters.values()):
