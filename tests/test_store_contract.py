@@ -16,7 +16,7 @@ import trio.testing
 from iop_trio.lifecycle import RunState
 from iop_trio.model import EventKind, RunEvent, RunStatus
 from iop_trio.runtime import Usage
-from iop_trio.store import RunStore, StoreError
+from iop_trio.store import RunStore, StoreError, UsageTotal
 from iop_trio.store.memory import MemoryStore
 from iop_trio.store.sqlite import SqliteStore
 
@@ -537,6 +537,50 @@ async def test_a_run_found_running_is_interrupted_with_the_usage_of_its_stored_d
 
 async def test_interrupt_unfinished_on_an_empty_store(store):
     assert await store.interrupt_unfinished(time=1.0, message="m") == []
+
+
+# --- usage totals ----------------------------------------------------------------------------
+
+
+async def ended_with(
+    store: RunStore, run_id: str, usage: Usage, *, at: float, **kw: object
+) -> RunState:
+    state = await running(store, run_id, **kw)
+    await store.append(state.transition(RunStatus.CANCELLED, time=at, usage=usage))
+    return state
+
+
+def guessed(prompt: int, completion: int) -> Usage:
+    return Usage("", prompt, completion, prompt_estimated=True, completion_estimated=True)
+
+
+async def test_usage_totals_sum_the_records_of_runs_that_ended_in_the_window(store):
+    await ended_with(store, "a1", Usage("stop", 10, 5), at=100.0, tenant="a", target="t/x")
+    await ended_with(store, "a2", guessed(3, 2), at=200.0, tenant="a", target="t/y")
+    await ended_with(store, "b1", Usage("stop", 7, 1, prompt_estimated=True), at=300.0)
+    await ended_with(store, "a3", Usage("stop", 1, 1), at=400.0, tenant="a", target="t/x")
+    await finished(store, "old", at=250.0)  # ended without a usage, as before v3: none
+    await running(store, "live")  # not ended: not yet settled
+    rejected = await created(store, "rejected")  # never started: no usage
+    await store.append(rejected.transition(RunStatus.REJECTED, time=150.0, reason="queue_full"))
+
+    assert await store.usage_totals(by="tenant") == [
+        UsageTotal("", 1, 7, 1, 7, 0),
+        UsageTotal("a", 3, 14, 8, 3, 2),
+    ]
+    assert await store.usage_totals(by="target") == [
+        UsageTotal("echo/a", 1, 7, 1, 7, 0),
+        UsageTotal("t/x", 2, 11, 6, 0, 0),
+        UsageTotal("t/y", 1, 3, 2, 3, 2),
+    ]
+    # since is in the window, until is not
+    assert await store.usage_totals(by="tenant", since=200.0, until=400.0) == [
+        UsageTotal("", 1, 7, 1, 7, 0),
+        UsageTotal("a", 1, 3, 2, 3, 2),
+    ]
+    assert await store.usage_totals(by="target", since=400.0) == [UsageTotal("t/x", 1, 1, 1, 0, 0)]
+    assert await store.usage_totals(by="target", until=100.0) == []
+    assert (await store.usage_totals(by="tenant"))[1].estimated_tokens == 5
 
 
 async def test_prune(store):

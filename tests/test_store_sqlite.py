@@ -30,7 +30,12 @@ from iop_trio.model import EventKind, RunEvent, RunRecord, RunStatus
 from iop_trio.runtime import Usage
 from iop_trio.store import RunStore, StoreError, StoreUnavailable
 from iop_trio.store.memory import MemoryStore
-from iop_trio.store.sqlite import _MIGRATE_1_TO_2, SCHEMA_VERSION, SqliteStore
+from iop_trio.store.sqlite import (
+    _MIGRATE_1_TO_2,
+    SCHEMA_VERSION,
+    SqliteStore,
+    usage_totals_sql,
+)
 
 from .support import HealthLog, logged, read_only
 from .test_store_contract import created, finished, new_run, running, seqs
@@ -262,6 +267,20 @@ async def test_a_version_2_store_is_migrated_with_its_usage_in_numbers(tmp_path)
             ("done", 7, 9, 0, 0),
             ("live", 2, 2, 1, 1),
         ]
+    finally:
+        raw.close()
+
+
+@pytest.mark.parametrize("by", ["tenant", "target"])
+async def test_usage_totals_of_a_window_read_only_the_runs_that_ended_in_it(store, tmp_path, by):
+    """One GROUP BY whose window is found through the index on the runs' finish time, so
+    a day's totals do not read a month of runs."""
+    await created(store, "r1")
+    raw = sqlite3.connect(tmp_path / "runs.db")
+    try:
+        sql, args = usage_totals_sql(by, 100.0, 200.0)
+        plan = " ".join(row[-1] for row in raw.execute(f"EXPLAIN QUERY PLAN {sql}", args))
+        assert "USING INDEX runs_finished" in plan, plan
     finally:
         raw.close()
 

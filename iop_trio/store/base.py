@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Collection, Sequence
+from typing import Literal
 
 import attrs
 import trio
@@ -93,6 +94,28 @@ def interrupted_usage(asked: Prompted, delta_tokens: int, chars_per_token: float
     return settle_usage(
         None, prompt=estimate_prompt_tokens(asked, chars_per_token), completion=delta_tokens
     )
+
+
+#: What usage totals are grouped by: a run's tenant or its target.
+UsageGroup = Literal["tenant", "target"]
+
+
+@attrs.frozen
+class UsageTotal:
+    """The tokens of the runs of one tenant or target (``name``) that ended in a window
+    and carry a usage (those that started): how many, their prompt and completion tokens,
+    and how many of those are the node's estimates rather than the engine's counts."""
+
+    name: str
+    runs: int
+    prompt_tokens: int
+    completion_tokens: int
+    estimated_prompt_tokens: int
+    estimated_completion_tokens: int
+
+    @property
+    def estimated_tokens(self) -> int:
+        return self.estimated_prompt_tokens + self.estimated_completion_tokens
 
 
 def refused_error(refused: Sequence[str]) -> StoreError:
@@ -199,6 +222,19 @@ class RunStore(abc.ABC):
         marked estimated. What the engine sent after the last stored delta (at most the
         run's unsynced deltas: 64, or 200 ms of them), and what it generated and never
         sent, is not counted. A run found QUEUED never started: no usage.
+        """
+
+    @abc.abstractmethod
+    async def usage_totals(
+        self, *, by: UsageGroup, since: float | None = None, until: float | None = None
+    ) -> list[UsageTotal]:
+        """The usage of the runs that ended at ``since`` or after and before ``until``
+        (unix times; None: no bound), summed by their tenant or target, by name.
+
+        Computed from the runs' records alone, each of which holds its run's usage once
+        (settled with its terminal event, in the same write): so nothing is counted
+        twice, nor lost. Runs without a usage (they never started) are not counted; runs
+        pruned (``store.retention_days``) are gone with their usage.
         """
 
     @abc.abstractmethod

@@ -9,7 +9,15 @@ import trio
 
 from ..lifecycle import RunState, fold
 from ..model import CHARS_PER_TOKEN, RunEvent, RunRecord, RunStatus
-from .base import RunStore, StoreError, created_record, interrupted_usage, refused_error
+from .base import (
+    RunStore,
+    StoreError,
+    UsageGroup,
+    UsageTotal,
+    created_record,
+    interrupted_usage,
+    refused_error,
+)
 
 
 class MemoryStore(RunStore):
@@ -114,6 +122,27 @@ class MemoryStore(RunStore):
                 self._events[record.run_id].append(event)
                 made.append(event)
         return made
+
+    async def usage_totals(
+        self, *, by: UsageGroup, since: float | None = None, until: float | None = None
+    ) -> list[UsageTotal]:
+        await trio.lowlevel.checkpoint()
+        sums: dict[str, list[int]] = {}
+        for r in self._runs.values():
+            if r.usage is None or r.finished is None:
+                continue
+            if (since is not None and r.finished < since) or (
+                until is not None and r.finished >= until
+            ):
+                continue
+            total = sums.setdefault(r.tenant if by == "tenant" else r.target, [0] * 5)
+            prompt, completion = r.usage.prompt_tokens or 0, r.usage.completion_tokens or 0
+            total[0] += 1
+            total[1] += prompt
+            total[2] += completion
+            total[3] += prompt if r.usage.prompt_estimated else 0
+            total[4] += completion if r.usage.completion_estimated else 0
+        return [UsageTotal(name, *sums[name]) for name in sorted(sums)]
 
     async def prune(self, *, finished_before: float) -> int:
         await trio.lowlevel.checkpoint()
