@@ -5,7 +5,15 @@ their modules: :mod:`iop_trio.store.sqlite` (the default) and
 :mod:`iop_trio.store.memory`.
 """
 
-from .base import RunStore, StoreError, StoreHealth, StoreUnavailable, UsageGroup, UsageTotal
+from .base import (
+    RunStore,
+    StoreError,
+    StoreHealth,
+    StoreUnavailable,
+    UsageGroup,
+    UsageTotal,
+    unfinished_usage,
+)
 
 __all__ = [
     "RunStore",
@@ -14,4 +22,5 @@ __all__ = [
     "StoreUnavailable",
     "UsageGroup",
     "UsageTotal",
+    "unfinished_usage",
 ]

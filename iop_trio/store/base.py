@@ -87,10 +87,11 @@ def created_record(record: RunRecord, event: RunEvent, then: Sequence[RunEvent])
     return created
 
 
-def interrupted_usage(asked: Prompted, delta_tokens: int, chars_per_token: float) -> Usage:
-    """The usage of a run found RUNNING at start-up (see
-    :meth:`RunStore.interrupt_unfinished`): the prompt it ``asked`` estimated, and the
-    ``delta_tokens`` of its stored deltas, both marked estimated."""
+def unfinished_usage(asked: Prompted, delta_tokens: int, chars_per_token: float) -> Usage:
+    """The usage of a run left RUNNING by a node that is gone, from what the store holds
+    (the end at a restart, :meth:`RunStore.interrupt_unfinished`, or a cancel with no
+    node running): the prompt it ``asked`` estimated, and the ``delta_tokens`` of its
+    stored deltas, both marked estimated."""
     return settle_usage(
         None, prompt=estimate_prompt_tokens(asked, chars_per_token), completion=delta_tokens
     )
@@ -214,7 +215,7 @@ class RunStore(abc.ABC):
         """Mark every QUEUED or RUNNING run INTERRUPTED, each with an event; return them.
 
         Called once when a node starts, before it accepts runs. The INTERRUPTED event of
-        a run found RUNNING carries its usage (:func:`interrupted_usage`), in the same
+        a run found RUNNING carries its usage (:func:`unfinished_usage`), in the same
         write, so the usage of a run whose node died is settled once, here, and nowhere
         else (its end was never stored, or it would not be RUNNING): its completion
         tokens are those of its stored deltas, counted as the run counted them (one an

@@ -15,8 +15,8 @@ from .base import (
     UsageGroup,
     UsageTotal,
     created_record,
-    interrupted_usage,
     refused_error,
+    unfinished_usage,
 )
 
 
@@ -117,7 +117,7 @@ class MemoryStore(RunStore):
                 usage = None
                 if record.status is RunStatus.RUNNING:
                     sent = sum(e.tokens for e in self._events[record.run_id])
-                    usage = interrupted_usage(record, sent, chars_per_token)
+                    usage = unfinished_usage(record, sent, chars_per_token)
                 event = RunState(record).interrupt(time=time, message=message, usage=usage)
                 self._events[record.run_id].append(event)
                 made.append(event)

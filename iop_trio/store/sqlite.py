@@ -136,8 +136,8 @@ from .base import (
     UsageGroup,
     UsageTotal,
     created_record,
-    interrupted_usage,
     refused_error,
+    unfinished_usage,
 )
 
 log = logging.getLogger(__name__)
@@ -788,7 +788,7 @@ class SqliteStore(RunStore):
                 record = _fold_record(row)
                 usage = None
                 if record.run_id in asked:
-                    usage = interrupted_usage(
+                    usage = unfinished_usage(
                         asked[record.run_id], sent.get(record.run_id, 0), chars_per_token
                     )
                 event = RunState(record).interrupt(time=time, message=message, usage=usage)
