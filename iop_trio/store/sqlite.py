@@ -47,9 +47,11 @@ Faults
 
 A batch that fails for a passing reason (SQLITE_FULL, SQLITE_IOERR,
 SQLITE_BUSY, ...: see :data:`_PASSING`) is rolled back and retried, with
-backoff, on a fresh connection, until it commits: nothing taken is lost or
-reordered. Meanwhile :meth:`SqliteStore.health` says the store cannot write
-(and why), the change is logged once each way and told to the
+backoff, on a fresh connection that first checkpoints the WAL (a full disk may
+have stopped the last one, and a WAL not checkpointed only grows), until it
+commits: nothing taken is lost or reordered. Meanwhile
+:meth:`SqliteStore.health` says the store cannot write (and why), the change
+is logged once each way and told to the
 :meth:`~SqliteStore.watch_health` listeners, and ``create`` refuses new runs
 at once with :class:`StoreUnavailable`. Once :meth:`aclose` is called, such
 writes get ``close_timeout`` more seconds; the ones still not made then
@@ -1036,6 +1038,12 @@ class SqliteStore(RunStore):
                     raise self._open_error
                 if self._conn is None:
                     self._conn = self._open_writer()
+                    if attempt:
+                        # a full disk stops the checkpoint a closing connection makes, and
+                        # a WAL not checkpointed is appended to, not reused, so each attempt
+                        # would fill the room the disk got back: checkpoint first, and free
+                        # the WAL's space (a checkpoint that still fails is retried too)
+                        self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
                 for statement in self._test_pragmas:
                     self._conn.execute(statement)
                 committed, events = self._transaction(self._conn, batch)
