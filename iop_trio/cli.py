@@ -43,7 +43,16 @@ from .config import ConfigError, NodeConfig, is_loopback, load_config, split_lis
 from .lifecycle import RunState
 from .logs import escape_controls, setup_logging
 from .metrics import NodeMetrics
-from .model import InvalidRequest, Limits, RunEvent, RunRecord, RunSpec, RunStatus, redact_url
+from .model import (
+    EventKind,
+    InvalidRequest,
+    Limits,
+    RunEvent,
+    RunRecord,
+    RunSpec,
+    RunStatus,
+    redact_url,
+)
 from .ops import OpsApp, record_json, serve_ops
 from .runtime import Node
 from .store import RunStore, StoreError, UsageTotal, unfinished_usage
@@ -391,6 +400,8 @@ async def _wait_and_drain(node: Node, grace: float, stop: trio.Event | None = No
 def _event_json(event: RunEvent) -> dict[str, Any]:
     data = attrs.asdict(event, recurse=True)
     data["kind"] = event.kind.value
+    if event.kind is not EventKind.DELTA:
+        del data["tokens"]  # only a delta holds any
     return {k: v for k, v in data.items() if v not in ("", None)}
 
 

@@ -845,11 +845,14 @@ def test_runs_show_says_what_is_estimated_and_an_offline_cancel_settles_a_runnin
     assert "    usage: stop in=7 out=1 (estimated: in)\n" in out
     code, out = run_cli("runs", "cancel", "running", "--config", str(path))
     assert (code, out) == (0, "running: cancelled (no node was running)\n")
-    code, out = run_cli("runs", "show", "running", "--json", "--config", str(path))
-    assert json.loads(out)["usage"] == {  # its prompt is "", its stored delta held 2
+    code, out = run_cli("runs", "show", "running", "--json", "--events", "--config", str(path))
+    shown = json.loads(out)
+    assert shown["usage"] == {  # its prompt is "", its stored delta held 2
         "done_reason": "",
         "prompt_tokens": 0,
         "completion_tokens": 2,
         "prompt_estimated": True,
         "completion_estimated": True,
     }
+    assert [e.get("tokens") for e in shown["events"]] == [None, None, 2, None]
+    assert shown["events"][-1]["usage"] == shown["usage"]
