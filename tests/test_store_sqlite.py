@@ -272,13 +272,17 @@ async def test_a_version_2_store_is_migrated_with_its_usage_in_numbers(tmp_path)
 
 
 @pytest.mark.parametrize("by", ["tenant", "target"])
-async def test_usage_totals_of_a_window_read_only_the_runs_that_ended_in_it(store, tmp_path, by):
+@pytest.mark.parametrize(("since", "until"), [(100.0, 200.0), (100.0, None), (None, 200.0)])
+async def test_usage_totals_of_a_window_read_only_the_runs_that_ended_in_it(
+    store, tmp_path, by, since, until
+):
     """One GROUP BY whose window is found through the index on the runs' finish time, so
-    a day's totals do not read a month of runs."""
+    a day's totals do not read a month of runs (left to itself, SQLite groups by the
+    index on tenant, which reads them all, for --since alone)."""
     await created(store, "r1")
     raw = sqlite3.connect(tmp_path / "runs.db")
     try:
-        sql, args = usage_totals_sql(by, 100.0, 200.0)
+        sql, args = usage_totals_sql(by, since, until)
         plan = " ".join(row[-1] for row in raw.execute(f"EXPLAIN QUERY PLAN {sql}", args))
         assert "USING INDEX runs_finished" in plan, plan
     finally:

@@ -1644,8 +1644,12 @@ def usage_totals_sql(
             "completion_tokens * completion_estimated",
         )
     )
+    # a window reads the runs that ended in it, by the index on finished: left to choose,
+    # SQLite takes the index on tenant (or target) to group without sorting, and reads
+    # every run (a second for 500,000, against milliseconds for a day of them)
+    source = "runs" if since is None and until is None else "runs INDEXED BY runs_finished"
     sql = (
-        f"SELECT {column}, COUNT(*), {sums} FROM runs WHERE {' AND '.join(where)} "
+        f"SELECT {column}, COUNT(*), {sums} FROM {source} WHERE {' AND '.join(where)} "
         f"GROUP BY {column} ORDER BY {column}"
     )
     return sql, args
