@@ -5,6 +5,7 @@
     iop-node serve --config node.yaml
     iop-node check-config --config node.yaml
     iop-node runs list|show|cancel ... --config node.yaml
+    iop-node usage --config node.yaml [--since 7d] [--by tenant|target] [--json]
     iop-node submit --edge ws://127.0.0.1:8765 --token T --target echo/chat "prompt"
     iop-node demo            # edge + node + echo targets on loopback (make run)
 
@@ -14,6 +15,7 @@ Exit codes: 0 ok, 1 the run or command failed, 2 bad usage or configuration.
 from __future__ import annotations
 
 import argparse
+import datetime
 import fcntl
 import json
 import logging
@@ -26,7 +28,7 @@ import ssl
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from contextlib import suppress
 from functools import partial
 from pathlib import Path
@@ -41,10 +43,19 @@ from .config import ConfigError, NodeConfig, is_loopback, load_config, split_lis
 from .lifecycle import RunState
 from .logs import escape_controls, setup_logging
 from .metrics import NodeMetrics
-from .model import InvalidRequest, Limits, RunEvent, RunRecord, RunSpec, RunStatus, redact_url
+from .model import (
+    EventKind,
+    InvalidRequest,
+    Limits,
+    RunEvent,
+    RunRecord,
+    RunSpec,
+    RunStatus,
+    redact_url,
+)
 from .ops import OpsApp, record_json, serve_ops
 from .runtime import Node
-from .store import RunStore, StoreError
+from .store import RunStore, StoreError, UsageTotal, unfinished_usage
 from .transport.server import lone_error
 
 log = logging.getLogger("iop_trio.node")
@@ -389,6 +400,8 @@ async def _wait_and_drain(node: Node, grace: float, stop: trio.Event | None = No
 def _event_json(event: RunEvent) -> dict[str, Any]:
     data = attrs.asdict(event, recurse=True)
     data["kind"] = event.kind.value
+    if event.kind is not EventKind.DELTA:
+        del data["tokens"]  # only a delta holds any
     return {k: v for k, v in data.items() if v not in ("", None)}
 
 
@@ -427,15 +440,27 @@ async def runs_list(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> 
         for r in records
     ]
     header = ("RUN ID", "TARGET", "TENANT", "PRI", "STATUS", "MODE", "CREATED")
-    # every column as wide as its widest cell, so no status breaks the table
+    _write_table(out, header, rows, numbers={3})
+    return 0
+
+
+def _write_table(
+    out: TextIO,
+    header: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    numbers: Collection[int] = (),
+) -> None:
+    """``rows`` under ``header``, every column as wide as its widest cell (so no cell
+    breaks the table), the columns in ``numbers`` aligned right. The cells must be
+    escaped already (:func:`escape_controls`)."""
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         cells = [
-            cell.rjust(width) if i == 3 else cell.ljust(width)
+            cell.rjust(width) if i in numbers else cell.ljust(width)
             for i, (cell, width) in enumerate(zip(row, widths, strict=True))
         ]
         out.write("  ".join(cells).rstrip() + "\n")
-    return 0
 
 
 async def runs_show(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> int:
@@ -478,8 +503,10 @@ async def runs_show(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> 
         out.write(f"{key:>9}: {escape_controls(value)}\n")
     if record.usage is not None:
         u = record.usage
-        reason = escape_controls(u.done_reason)
-        out.write(f"{'usage':>9}: {reason} in={u.prompt_tokens} out={u.completion_tokens}\n")
+        reason = escape_controls(u.done_reason) + " " if u.done_reason else ""
+        guessed = [k for k, e in (("in", u.prompt_estimated), ("out", u.completion_estimated)) if e]
+        note = f" (estimated: {', '.join(guessed)})" if guessed else ""
+        out.write(f"{'usage':>9}: {reason}in={u.prompt_tokens} out={u.completion_tokens}{note}\n")
     for e in events:
         detail = repr(e.text) if e.text else " ".join(x for x in (e.reason, e.message) if x)
         out.write(f"  #{e.seq:<5} {e.kind.value:<11} {escape_controls(detail)}\n")
@@ -501,17 +528,93 @@ async def runs_cancel(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -
         if record.status.terminal:
             out.write(f"{ns.run_id}: already {record.status.value}\n")
             return 0
+        usage = None
+        if record.status is RunStatus.RUNNING:  # its node died: settled as a restart would
+            sent = sum(e.tokens for e in await store.events(ns.run_id))
+            usage = unfinished_usage(record, sent, config.runtime.chars_per_token)
         event = RunState(record).transition(
             RunStatus.CANCELLED,
             time=time.time(),
             reason=ns.reason,
             message="cancelled from the command line while no node was running",
+            usage=usage,
         )
         await store.append(event)
     finally:
         await store.aclose()
         lock.release()
     out.write(f"{ns.run_id}: cancelled (no node was running)\n")
+    return 0
+
+
+# --- usage ----------------------------------------------------------------------------------
+
+
+#: A time ago, as ``--since`` takes it: a number and a unit.
+_AGO = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_when(text: str, *, now: float, flag: str) -> float:
+    """The unix time ``text`` names: a time ago (``90m``, ``24h``, ``7d``, ``2w``) before
+    ``now``, or an ISO 8601 date or date and time (``2025-03-14``, ``2025-03-14T10:00``,
+    ``2025-03-14 10:00:00+02:00``; without a zone, local time, as ``runs list`` shows
+    times). CliError (exit 2) naming ``flag`` for anything else."""
+    ago = _AGO.fullmatch(text.strip())
+    if ago:
+        return now - float(ago[1]) * _UNITS[ago[2]]
+    try:
+        return datetime.datetime.fromisoformat(text.strip()).timestamp()
+    except (ValueError, OverflowError, OSError):
+        raise CliError(
+            f"{flag} {text!r} is neither a date and time (2025-03-14, 2025-03-14T10:00, "
+            "2025-03-14T10:00:00+02:00) nor a time ago (90m, 24h, 7d)",
+            code=2,
+        ) from None
+
+
+def usage_json(by: str, total: UsageTotal) -> dict[str, Any]:
+    """One line of ``usage --json``: the group's name under ``tenant`` or ``target``."""
+    return {
+        by: total.name,
+        "runs": total.runs,
+        "prompt_tokens": total.prompt_tokens,
+        "completion_tokens": total.completion_tokens,
+        "estimated_prompt_tokens": total.estimated_prompt_tokens,
+        "estimated_completion_tokens": total.estimated_completion_tokens,
+    }
+
+
+async def usage_command(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> int:
+    """The tokens of the runs that ended from ``--since`` until ``--until``, by tenant or
+    target, from the store's records (see :meth:`RunStore.usage_totals`)."""
+    now = time.time()
+    since = None if ns.since is None else parse_when(ns.since, now=now, flag="--since")
+    until = None if ns.until is None else parse_when(ns.until, now=now, flag="--until")
+    if since is not None and until is not None and until < since:
+        raise CliError(f"--until {ns.until!r} is before --since {ns.since!r}", code=2)
+    store = open_store(config, existing=True)
+    try:
+        totals = await store.usage_totals(by=ns.by, since=since, until=until)
+    finally:
+        await store.aclose()
+    if ns.json:  # JSON Lines, as runs list --json: one group a line
+        for total in totals:
+            out.write(json.dumps(usage_json(ns.by, total)) + "\n")
+        return 0
+    # a tenant's or target's name is a caller's or an old store's: escaped, as in runs list
+    rows = [
+        (
+            escape_controls(t.name) if t.name else "(default)",
+            str(t.runs),
+            str(t.prompt_tokens),
+            str(t.completion_tokens),
+            str(t.estimated_tokens),
+        )
+        for t in totals
+    ]
+    header = (ns.by.upper(), "RUNS", "PROMPT", "COMPLETION", "ESTIMATED")
+    _write_table(out, header, rows, numbers={1, 2, 3, 4})
     return 0
 
 
@@ -925,6 +1028,30 @@ def _parser() -> argparse.ArgumentParser:
         "--reason", default="cancelled", help="recorded as the run's reason (default %(default)s)"
     )
 
+    p = sub.add_parser(
+        "usage",
+        help="prompt and completion tokens of the runs that ended, by tenant or target",
+    )
+    with_config(p)
+    p.add_argument(
+        "--since",
+        metavar="WHEN",
+        help="runs that ended then or later: a date and time (2025-03-14, 2025-03-14T10:00, "
+        "local time unless it names a zone) or a time ago (90m, 24h, 7d); default: all",
+    )
+    p.add_argument(
+        "--until", metavar="WHEN", help="runs that ended before then (as --since); default: now"
+    )
+    p.add_argument(
+        "--by",
+        choices=["tenant", "target"],
+        default="tenant",
+        help="sum by the runs' tenant or target (default %(default)s)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="one JSON object per line (JSON Lines), by name"
+    )
+
     p = sub.add_parser("submit", help="submit a run through an edge and stream it")
     p.add_argument(
         "--edge",
@@ -1098,6 +1225,8 @@ def _command(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if ns.command == "check-config":
         return check_config(config, out, probe=ns.probe)
     setup_logging("warning")
+    if ns.command == "usage":
+        return trio.run(usage_command, config, ns, out)
     action = {"list": runs_list, "show": runs_show, "cancel": runs_cancel}[ns.runs_command]
     return trio.run(action, config, ns, out)
 

@@ -38,6 +38,7 @@ import yaml
 from .adapters.base import Adapter
 from .adapters.registry import AdapterRegistry, default_registry
 from .model import (
+    CHARS_PER_TOKEN,
     MAX_OUTPUT_TOKENS,
     TOKENIZERS,
     AutoConcurrency,
@@ -172,6 +173,11 @@ class RuntimeConfig:
     max_output_tokens: int = attrs.field(default=MAX_OUTPUT_TOKENS, validator=_int_at_least(1))
     #: seconds a run that lacks tokens may be passed by smaller runs before it holds them
     hold_after: float = attrs.field(default=HOLD_AFTER, validator=_non_negative)
+    #: characters (UTF-8 bytes) a token holds, for a prompt's tokens where an engine
+    #: reports none (model.estimate_prompt_tokens)
+    chars_per_token: float = attrs.field(
+        default=CHARS_PER_TOKEN, validator=field_check(positive_problem)
+    )
 
 
 @attrs.frozen
@@ -241,7 +247,7 @@ class TargetConfig:
     token_budget: int | None = attrs.field(default=None, validator=_int_at_least(1))
     max_output_tokens: int | None = attrs.field(default=None, validator=_int_at_least(1))
     tokenizer: str = attrs.field(default="estimate", validator=field_check(_tokenizer))
-    chars_per_token: float = attrs.field(default=4.0, validator=_positive_number)
+    chars_per_token: float | None = attrs.field(default=None, validator=_positive_number)
     max_prompt_bytes: int | None = attrs.field(default=None, validator=_int_at_least(1))
     max_output_bytes: int | None = attrs.field(default=None, validator=_int_at_least(1))
     max_run_time: float | None = attrs.field(default=None, validator=_positive)
@@ -341,6 +347,7 @@ class NodeConfig:
             token_budget=r.token_budget,
             max_output_tokens=r.max_output_tokens,
             hold_after=r.hold_after,
+            chars_per_token=r.chars_per_token,
             tenants={name: t.limits() for name, t in self.tenants.items()},
         )
 

@@ -70,11 +70,14 @@ def check_transition(run_id: str, old: RunStatus | None, new: RunStatus) -> None
 
 
 def fold(record: RunRecord, event: RunEvent) -> None:
-    """Fold ``event`` into ``record``: seq, status, times and reason.
+    """Fold ``event`` into ``record``: seq, status, times, reason and usage.
 
     Raises :class:`IllegalTransition` for a status event the table does not
-    allow, and ValueError for a seq that is not the next one or a DELTA on a
-    run that is not RUNNING. The record is unchanged when it raises.
+    allow, and ValueError for a seq that is not the next one, a DELTA on a
+    run that is not RUNNING, a token count on an event that is not a DELTA (or
+    a negative one), or a usage on an event that does not end a run that
+    started (a RUNNING run's terminal event): a run that never started used no
+    tokens. The record is unchanged when it raises.
     """
     if event.seq != record.last_seq + 1:
         raise ValueError(f"run {record.run_id}: event seq {event.seq} after {record.last_seq}")
@@ -82,8 +85,17 @@ def fold(record: RunRecord, event: RunEvent) -> None:
     if new is None:
         if record.status is not RunStatus.RUNNING:
             raise ValueError(f"run {record.run_id}: delta while {record.status.value}")
+        if event.tokens < 0:
+            raise ValueError(f"run {record.run_id}: a delta of {event.tokens} tokens")
     else:
         check_transition(record.run_id, record.status, new)
+        if event.tokens:
+            raise ValueError(f"run {record.run_id}: tokens on a {event.kind.value} event")
+        if event.usage is not None and not (new.terminal and record.status is RunStatus.RUNNING):
+            raise ValueError(
+                f"run {record.run_id}: usage on a {event.kind.value} event "
+                f"from {record.status.value}: only the end of a run that started has usage"
+            )
         record.status = new
         if new is RunStatus.RUNNING:
             record.started = event.time
@@ -162,7 +174,8 @@ class RunState:
         A REJECTED event needs a reason of :data:`~iop_trio.model.REJECT_REASONS`
         (ValueError otherwise). Only REJECTED and FAILED carry ``retry_after`` (the
         gate's hint; an engine's, when it turned the run away with a 429 or 503); any
-        other end drops it.
+        other end drops it. Only the end of a run that started carries ``usage``
+        (ValueError otherwise, see :func:`fold`).
         """
         check_transition(self.record.run_id, self.record.status, new)
         if new is RunStatus.REJECTED and reason not in REJECT_REASONS:
@@ -180,14 +193,23 @@ class RunState:
         fold(self.record, event)
         return event
 
-    def interrupt(self, *, time: float, message: str) -> RunEvent:
-        """The INTERRUPTED event (reason ``node_restart``) of a run found unfinished at start."""
+    def interrupt(self, *, time: float, message: str, usage: Usage | None = None) -> RunEvent:
+        """The INTERRUPTED event (reason ``node_restart``) of a run found unfinished at
+        start; ``usage`` for one found RUNNING (what its stored deltas say it used)."""
         return self.transition(
-            RunStatus.INTERRUPTED, time=time, reason=NODE_RESTART, message=message
+            RunStatus.INTERRUPTED, time=time, reason=NODE_RESTART, message=message, usage=usage
         )
 
-    def delta(self, text: str, *, time: float) -> RunEvent:
-        """A DELTA event; only while RUNNING (ValueError otherwise)."""
-        event = RunEvent(self.record.run_id, self.record.last_seq + 1, EventKind.DELTA, time, text)
+    def delta(self, text: str, *, time: float, tokens: int = 1) -> RunEvent:
+        """A DELTA event of ``text``, which holds ``tokens`` engine tokens; only while
+        RUNNING (ValueError otherwise, and for a negative count)."""
+        event = RunEvent(
+            self.record.run_id,
+            self.record.last_seq + 1,
+            EventKind.DELTA,
+            time,
+            text,
+            tokens=tokens,
+        )
         fold(self.record, event)
         return event

@@ -31,6 +31,13 @@ and for the default tenant (""); every other tenant counts as ``other``, so a
 caller cannot grow the number of series. ``priority`` is a class: ``high``
 (> 0), ``normal`` (0), ``low`` (< 0).
 
+A run's tokens are counted once, from its settled usage, when its terminal event
+comes (it is stored by then, or given up on): ``iop_tenant_tokens_total`` all of
+them, the engine's counts and the node's estimates alike, so its sum over a window
+is what ``iop-node usage`` totals from the store; ``iop_run_tokens_total`` only
+what the engine reported. A run found running when the node starts is counted as
+it is interrupted (the node tells its listeners).
+
 Per-run state is kept only for live runs (QUEUED or RUNNING) and dropped at
 the terminal event; :attr:`NodeMetrics.tracked_runs` counts it. Should a
 terminal event never come (a bug elsewhere), ``max_tracked_runs`` bounds the
@@ -59,7 +66,7 @@ from prometheus_client import (
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import RestrictedRegistry
 
-from .model import EventKind, RejectReason, RunEvent, RunRecord, RunStatus
+from .model import EventKind, RejectReason, RunEvent, RunRecord, RunStatus, Usage
 from .runtime import Node
 from .runtime.gate import LimiterStats
 
@@ -148,7 +155,8 @@ METRICS: tuple[MetricInfo, ...] = (
         "iop_run_tokens_total",
         "counter",
         ("target", "kind"),
-        "Tokens the engine reported at a run's end (kind prompt or completion).",
+        "Tokens the engine reported at a run's end (kind prompt or completion); the "
+        "node's own estimates, where it reported none, are not counted here.",
     ),
     MetricInfo(
         "iop_run_queue_wait_seconds",
@@ -179,6 +187,13 @@ METRICS: tuple[MetricInfo, ...] = (
         "histogram",
         ("tenant", "priority", "outcome"),
         "Time from QUEUED until the run left the queue, by tenant and priority class.",
+    ),
+    MetricInfo(
+        "iop_tenant_tokens_total",
+        "counter",
+        ("tenant", "kind"),
+        "Tokens settled at the end of each run that started, by tenant (kind input: the "
+        "prompt, output: the completion); the engine's counts, else the node's estimates.",
     ),
     MetricInfo(
         "iop_gate_queued_runs", "gauge", ("target",), "Runs waiting in the gate's queue now."
@@ -506,6 +521,12 @@ class NodeMetrics:
             ["tenant", "priority", "status"],
             registry=r,
         )
+        self.tenant_tokens = Counter(
+            "iop_tenant_tokens",
+            _help("iop_tenant_tokens_total"),
+            ["tenant", "kind"],
+            registry=r,
+        )
         self.tenant_queue_wait = Histogram(
             "iop_tenant_queue_wait_seconds",
             _help("iop_tenant_queue_wait_seconds"),
@@ -645,10 +666,7 @@ class NodeMetrics:
             self.failed.labels(target, event.reason or "unknown").inc()
         usage = event.usage
         if usage is not None:
-            if usage.prompt_tokens:
-                self.tokens.labels(target, "prompt").inc(usage.prompt_tokens)
-            if usage.completion_tokens:
-                self.tokens.labels(target, "completion").inc(usage.completion_tokens)
+            self._settled(target, tenant, usage)
         if times is None:
             return
         if times.started is not None:
@@ -660,6 +678,20 @@ class NodeMetrics:
                 wait = max(0.0, event.time - times.queued)
                 self.queue_wait.labels(target, outcome).observe(wait)
                 self.tenant_queue_wait.labels(tenant, priority, outcome).observe(wait)
+
+    def _settled(self, target: str, tenant: str, usage: Usage) -> None:
+        """Count a run's settled usage: by tenant all of it (``input``, ``output``: the
+        names of OpenTelemetry's gen_ai.usage.input_tokens and output_tokens), by target
+        only what the engine reported."""
+        prompt, completion = usage.prompt_tokens or 0, usage.completion_tokens or 0
+        if prompt:
+            self.tenant_tokens.labels(tenant, "input").inc(prompt)
+            if not usage.prompt_estimated:
+                self.tokens.labels(target, "prompt").inc(prompt)
+        if completion:
+            self.tenant_tokens.labels(tenant, "output").inc(completion)
+            if not usage.completion_estimated:
+                self.tokens.labels(target, "completion").inc(completion)
 
     def _track(self, run_id: str, times: _RunTimes) -> None:
         runs = self._runs

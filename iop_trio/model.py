@@ -12,7 +12,7 @@ import enum
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -112,13 +112,94 @@ def clamp_retry_after(seconds: float) -> float:
 MAX_JOINED_TEXT = 64 * 1024
 
 
-@attrs.frozen
+@attrs.frozen(repr=False)
 class Usage:
-    """What the engine reported at the end of a run (fields it did not report are None)."""
+    """A run's tokens: what its engine reported at the end, and what the node settled.
+
+    An adapter's :class:`~iop_trio.adapters.base.Completion` carries what the engine
+    reported (a count it did not report is None). The end of a run that started
+    carries both counts (:func:`settle_usage`): the engine's where it reported them,
+    else the node's, and then ``prompt_estimated`` / ``completion_estimated`` is True.
+    A count may still be None in a record stored before the node settled usage.
+    """
 
     done_reason: str = ""
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    # the count is the node's (the prompt from its size, the completion from the run's
+    # deltas), not the engine's report
+    prompt_estimated: bool = False
+    completion_estimated: bool = False
+
+    @property
+    def estimated(self) -> bool:
+        """True if either count is the node's estimate rather than the engine's report."""
+        return self.prompt_estimated or self.completion_estimated
+
+    def __repr__(self) -> str:
+        def count(n: int | None, estimated: bool) -> str:
+            return f"{'-' if n is None else n}{'~' if estimated else ''}"
+
+        reason = f" {self.done_reason}" if self.done_reason else ""
+        prompt = count(self.prompt_tokens, self.prompt_estimated)
+        completion = count(self.completion_tokens, self.completion_estimated)
+        return f"<Usage{reason} in={prompt} out={completion}>"
+
+
+#: Characters of text a token holds, for an estimate where an engine reports no count
+#: (about 4 for English text with common tokenizers); ``runtime.chars_per_token`` sets it.
+CHARS_PER_TOKEN = 4.0
+
+
+class Prompted(Protocol):
+    """What a run asks its engine: a RunSpec, a RunRecord or an AdapterRequest."""
+
+    @property
+    def prompt(self) -> str: ...
+
+    @property
+    def messages(self) -> tuple[tuple[str, str], ...]: ...
+
+
+def prompt_bytes(run: Prompted) -> int:
+    """The size of what a run asks the engine, in UTF-8: its prompt and chat messages
+    (roles included)."""
+    return len(run.prompt.encode()) + sum(
+        len(role.encode()) + len(content.encode()) for role, content in run.messages
+    )
+
+
+def estimate_prompt_tokens(run: Prompted | str, chars_per_token: float = CHARS_PER_TOKEN) -> int:
+    """An estimate of the tokens of ``run``'s prompt (or of a text): its UTF-8 bytes
+    (:func:`prompt_bytes`) over ``chars_per_token``, rounded up, so any prompt that is
+    not empty counts at least 1; a text of several bytes a character (not Latin) counts
+    more, as tokenizers split it finer. ValueError unless ``chars_per_token`` is a
+    finite number > 0.
+
+    Who must count tokens before an engine has (admission, a settled usage) asks this,
+    so the node's estimates agree with each other."""
+    problem = positive_problem(chars_per_token)
+    if problem is not None:
+        raise ValueError(f"chars_per_token {problem}")
+    size = len(run.encode()) if isinstance(run, str) else prompt_bytes(run)
+    return math.ceil(size / chars_per_token)
+
+
+def settle_usage(reported: Usage | None, *, prompt: int, completion: int) -> Usage:
+    """The usage the end of a run that started carries: each count the engine
+    ``reported`` (exact), else the node's, marked estimated: ``prompt`` (its estimate of
+    the run's prompt, :func:`estimate_prompt_tokens`) and ``completion`` (the engine
+    tokens of the run's delta events, :attr:`RunEvent.tokens`). A reported count is
+    kept even where the node counted otherwise."""
+    reported = reported or Usage()
+    prompt_tokens, completion_tokens = reported.prompt_tokens, reported.completion_tokens
+    return Usage(
+        reported.done_reason,
+        prompt if prompt_tokens is None else prompt_tokens,
+        completion if completion_tokens is None else completion_tokens,
+        prompt_estimated=prompt_tokens is None,
+        completion_estimated=completion_tokens is None,
+    )
 
 
 @attrs.frozen
@@ -136,10 +217,14 @@ class RunEvent:
     text: str = ""
     reason: str = ""
     message: str = ""
+    # the end of a run that started: its tokens (see Usage); None for any other event
     usage: Usage | None = None
     # REJECTED: when a run like it would likely get in; FAILED: when its engine said to
     # ask again (its 429 or 503)
     retry_after: float | None = None
+    # DELTA: the engine tokens its text holds (one an engine chunk; see adapters.Delta);
+    # 0 for every other event
+    tokens: int = 0
 
     @property
     def status(self) -> RunStatus | None:
@@ -149,8 +234,12 @@ class RunEvent:
         extra = ""
         if self.text:
             extra += f" text={self.text!r}"
+        if self.kind is EventKind.DELTA and self.tokens != 1:
+            extra += f" tokens={self.tokens}"
         if self.reason:
             extra += f" reason={self.reason}"
+        if self.usage is not None:
+            extra += f" {self.usage!r}"
         return f"<RunEvent {self.run_id}#{self.seq} {self.kind.value}{extra}>"
 
 
@@ -280,7 +369,7 @@ class TargetSpec:
     token_budget: int | None = None
     max_output_tokens: int | None = None
     tokenizer: str = "estimate"
-    chars_per_token: float = 4.0
+    chars_per_token: float | None = None  # None: the node's (runtime.chars_per_token)
     #: a learned concurrency instead of ``concurrency`` (None: ``concurrency`` is the limit)
     auto: AutoConcurrency | None = None
 

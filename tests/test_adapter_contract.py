@@ -20,13 +20,14 @@ import httpx
 import pytest
 import trio
 
-from iop_trio.adapters import AdapterError, AdapterRequest, Delta
+from iop_trio.adapters import AdapterError, AdapterRequest, Completion, Delta
 from iop_trio.adapters._http import ENGINE_RETRY_AFTER, retry_after_hint, transport_error
 from iop_trio.model import MAX_RETRY_AFTER, MIN_RETRY_AFTER
 from iop_trio.runtime import EventKind, RunSpec, RunStatus, Usage
 
 from .engines import (
     OPENAI,
+    STOP_USAGE,
     WIRES,
     EngineServer,
     Reply,
@@ -669,3 +670,26 @@ async def test_what_arrives_in_one_read_is_one_delta(wire, server):
     )
     assert (record.status, record.reason) == (RunStatus.FAILED, "engine_error")
     assert deltas(events) == ["kept too"]
+
+
+async def test_a_delta_holds_one_token_an_engine_chunk(wire, server):
+    """The engine writes a chunk a token: a delta joined of one read's chunks holds as many
+    tokens (a chunk with no text holds none), so a run can count what its engine sent."""
+    server.push(wire.reply(["one", " two"]))  # a part a write: h11 reads them one by one
+    together = b"".join(wire.piece(word) for word in ("a", "", " b", " c"))
+    server.push(Reply(content_type=wire.content_type, parts=[together + wire.end(STOP_USAGE)]))
+    faulty = wire.piece("kept") + wire.piece(" too") + wire.error_part
+    server.push(Reply(content_type=wire.content_type, parts=[faulty]))
+    async with wire.adapter(server.url) as adapter:
+        chunks = await collect(adapter, prompt(wire))
+        assert [c for c in chunks if isinstance(c, Delta)] == [Delta("one", 1), Delta(" two", 1)]
+        assert await collect(adapter, prompt(wire)) == [
+            Delta("a b c", tokens=3),
+            Completion(STOP_USAGE),
+        ]
+        got: list[object] = []
+        with pytest.raises(AdapterError):
+            async with adapter.open_stream(prompt(wire)) as stream:
+                async for chunk in stream:
+                    got.append(chunk)
+    assert got == [Delta("kept too", tokens=2)]  # what came before the fault

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import io
 import json
 import re
@@ -15,8 +16,8 @@ import httpx
 import pytest
 import trio
 
-from iop_trio.cli import CliError, StoreLock, main
-from iop_trio.runtime import RunState, RunStatus
+from iop_trio.cli import CliError, StoreLock, main, parse_when
+from iop_trio.runtime import RunState, RunStatus, Usage
 from iop_trio.store.sqlite import SqliteStore
 
 from .support import read_only
@@ -736,3 +737,122 @@ async def test_serve_on_a_store_it_may_not_write_says_so_in_one_line(tmp_path, w
         f"iop-node: the node may not write the run store's {what} "
         f"{folder if what == 'folder' else db}: {fix} (in {config}) at one it may",
     ), stderr
+
+
+# --- usage ------------------------------------------------------------------------------------
+
+T0 = datetime.datetime(2025, 3, 14, 10, 0).timestamp()  # local time, as the CLI reads one
+
+
+def seed_usage(db: Path) -> None:
+    """Runs that ended at 10:00, 11:00 and 12:00 on 2025-03-14 (local time), with their
+    usage; one rejected (never started, no usage); one still RUNNING."""
+
+    async def seed() -> None:
+        store = SqliteStore(db)
+        guessed = Usage("", 3, 2, prompt_estimated=True, completion_estimated=True)
+        for run_id, tenant, target, hour, usage in (
+            ("a1", "acme", "echo/m", 0, Usage("stop", 10, 5)),
+            ("a2", "acme", "echo/x", 1, guessed),
+            ("d1", "", "echo/m", 2, Usage("stop", 7, 1, prompt_estimated=True)),
+            ("evil", "t\x1b[31m", "echo/\nforged 1 2 3 4", 2, Usage("stop", 1, 1)),
+        ):
+            state, first = RunState.create(
+                run_id=run_id, target=target, background=True, time=T0 - 60, tenant=tenant
+            )
+            await store.create(state.record, first)
+            await store.append(state.transition(RunStatus.RUNNING, time=T0 - 30))
+            end = state.transition(RunStatus.CANCELLED, time=T0 + hour * 3600, usage=usage)
+            await store.append(end)
+        for run_id in ("rejected", "running"):
+            state, first = RunState.create(run_id=run_id, target="echo/m", background=True, time=T0)
+            await store.create(state.record, first)
+        await store.append(state.transition(RunStatus.RUNNING, time=T0))
+        await store.append(state.delta("one two", time=T0, tokens=2))
+        await store.aclose()
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    trio.run(seed)
+
+
+def test_usage_totals_the_records_by_tenant_or_target_in_a_window(tmp_path):
+    path = write_config(tmp_path)
+    seed_usage(tmp_path / "var" / "node.db")
+    code, out = run_cli("usage", "--config", str(path))
+    assert code == 0
+    assert out.splitlines() == [
+        "TENANT     RUNS  PROMPT  COMPLETION  ESTIMATED",
+        "(default)     1       7           1          7",
+        "acme          2      13           7          5",
+        "t\\x1b[31m     1       1           1          0",  # escaped: no colour, no row
+    ]
+    code, out = run_cli("usage", "--config", str(path), "--by", "target", "--json")
+    assert [json.loads(line) for line in out.splitlines()] == [
+        {"target": "echo/\nforged 1 2 3 4", "runs": 1, "prompt_tokens": 1,
+         "completion_tokens": 1, "estimated_prompt_tokens": 0, "estimated_completion_tokens": 0},
+        {"target": "echo/m", "runs": 2, "prompt_tokens": 17, "completion_tokens": 6,
+         "estimated_prompt_tokens": 7, "estimated_completion_tokens": 0},
+        {"target": "echo/x", "runs": 1, "prompt_tokens": 3, "completion_tokens": 2,
+         "estimated_prompt_tokens": 3, "estimated_completion_tokens": 2},
+    ]  # fmt: skip
+    code, out = run_cli("usage", "--config", str(path), "--by", "target")
+    assert "echo/\\x0aforged 1 2 3 4" in out and len(out.splitlines()) == 4
+    # from 11:00 (in) until 12:00 (out), local time; a zone given is that zone's
+    window = ["--since", "2025-03-14T11:00", "--until", "2025-03-14 12:00:00", "--json"]
+    code, out = run_cli("usage", "--config", str(path), *window)
+    assert [json.loads(line)["tenant"] for line in out.splitlines()] == ["acme"]
+    utc = datetime.datetime.fromtimestamp(T0 + 7200, datetime.UTC).isoformat()
+    code, out = run_cli("usage", "--config", str(path), "--since", utc, "--json")
+    assert [json.loads(line)["tenant"] for line in out.splitlines()] == ["", "t\x1b[31m"]
+    code, out = run_cli("usage", "--config", str(path), "--since", "2025-03-15", "--json")
+    assert (code, out) == (0, "")
+    code, out = run_cli("usage", "--config", str(path), "--since", "24h")  # years ago
+    assert (code, out.splitlines()) == (0, ["TENANT  RUNS  PROMPT  COMPLETION  ESTIMATED"])
+
+
+def test_when_is_a_date_and_time_or_a_time_ago():
+    now = 1_000_000.0
+    assert parse_when("90m", now=now, flag="--since") == now - 5400
+    assert parse_when("24h", now=now, flag="--since") == now - 86400
+    assert parse_when("7d", now=now, flag="--since") == now - 7 * 86400
+    assert parse_when("1.5w", now=now, flag="--since") == now - 1.5 * 7 * 86400
+    assert parse_when("2025-03-14T10:00", now=now, flag="--since") == T0
+    assert parse_when("2025-03-14T09:00:00Z", now=now, flag="--since") == 1741942800.0
+    with pytest.raises(CliError, match=r"--until 'yesterday' is neither a date and time"):
+        parse_when("yesterday", now=now, flag="--until")
+
+
+def test_usage_failures_are_one_line(tmp_path, capsys, monkeypatch):
+    path = write_config(tmp_path)
+    for argv, code, said in (
+        (["--since", "soon"], 2, "--since 'soon' is neither a date and time (2025-03-14, "),
+        (["--since=-3d"], 2, "--since '-3d' is neither"),
+        (["--since", "1h", "--until", "2h"], 2, "--until '2h' is before --since '1h'"),
+        ([], 1, f"no run store at {tmp_path / 'var' / 'node.db'}: no node has run"),
+    ):
+        assert run_cli("usage", "--config", str(path), *argv) == (code, "")
+        err = capsys.readouterr().err
+        assert err.startswith(f"iop-node: {said}") and err.count("\n") == 1, err
+    monkeypatch.setenv("IOP_STORE__KIND", "memory")
+    assert run_cli("usage", "--config", str(path)) == (1, "")
+    assert "store.kind is memory, so the node keeps no runs" in capsys.readouterr().err
+
+
+def test_runs_show_says_what_is_estimated_and_an_offline_cancel_settles_a_running_run(tmp_path):
+    path = write_config(tmp_path)
+    seed_usage(tmp_path / "var" / "node.db")
+    code, out = run_cli("runs", "show", "d1", "--config", str(path))
+    assert "    usage: stop in=7 out=1 (estimated: in)\n" in out
+    code, out = run_cli("runs", "cancel", "running", "--config", str(path))
+    assert (code, out) == (0, "running: cancelled (no node was running)\n")
+    code, out = run_cli("runs", "show", "running", "--json", "--events", "--config", str(path))
+    shown = json.loads(out)
+    assert shown["usage"] == {  # its prompt is "", its stored delta held 2
+        "done_reason": "",
+        "prompt_tokens": 0,
+        "completion_tokens": 2,
+        "prompt_estimated": True,
+        "completion_estimated": True,
+    }
+    assert [e.get("tokens") for e in shown["events"]] == [None, None, 2, None]
+    assert shown["events"][-1]["usage"] == shown["usage"]

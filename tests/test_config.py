@@ -111,6 +111,7 @@ def mutate(path: str, value: Any) -> dict[str, Any]:
         ("runtime.queue_timeout", -1, "runtime.queue_timeout: must be a number >= 0"),
         ("runtime.concurency", 3, "runtime: unknown key\\(s\\) concurency"),
         ("runtime.probe_interval", 0, "runtime.probe_interval: must be a number of seconds > 0"),
+        ("runtime.chars_per_token", 0, "runtime.chars_per_token: must be a number > 0, not 0"),
         ("node_id", KeyError, "node_id: required key 'node_id' is missing"),
         ("targets.1.model", KeyError, "targets\\[1\\].model: required key 'model' is missing"),
         ("targets.0.adapter", "nope", "targets\\[0\\].adapter: 'nope' is not one of the adapters"),
@@ -196,6 +197,9 @@ def test_a_minimal_config_gets_defaults(tmp_path):
     assert never.limits().probe_interval is None
     often = load_config(path, environ={"IOP_RUNTIME__PROBE_INTERVAL": "5"})
     assert often.limits().probe_interval == 5
+    assert config.limits().chars_per_token == 4  # a prompt's tokens, where none is reported
+    dense = load_config(path, environ={"IOP_RUNTIME__CHARS_PER_TOKEN": "2.5"})
+    assert dense.limits().chars_per_token == 2.5
 
 
 @pytest.mark.parametrize("token", ["987654321", "@abc", "*abc", "~", "null", "abc #x", "'q'"])

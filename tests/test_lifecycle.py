@@ -1,3 +1,4 @@
+import attrs
 import pytest
 
 from iop_trio.lifecycle import (
@@ -7,7 +8,7 @@ from iop_trio.lifecycle import (
     check_transition,
     fold,
 )
-from iop_trio.model import EventKind, RunStatus
+from iop_trio.model import EventKind, RunStatus, Usage
 
 ALLOWED = {
     (None, RunStatus.QUEUED),
@@ -125,3 +126,53 @@ def test_interruption_only_for_live_runs():
     assert (state.status, state.record.last_seq) == (RunStatus.INTERRUPTED, 2)
     with pytest.raises(IllegalTransition):
         state.interrupt(time=6.0, message="again")
+
+
+# --- usage: only on the end of a run that started ------------------------------------------
+
+
+USED = Usage("", 3, 2, prompt_estimated=True, completion_estimated=True)
+
+
+@pytest.mark.parametrize(
+    "end", [RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.INTERRUPTED]
+)
+def test_the_end_of_a_run_that_started_carries_its_usage(end):
+    state, _ = make()
+    state.transition(RunStatus.RUNNING, time=2.0)
+    event = state.transition(end, time=3.0, reason="r", usage=USED)
+    assert (event.usage, state.record.usage) == (USED, USED)
+
+
+@pytest.mark.parametrize("end", [RunStatus.CANCELLED, RunStatus.REJECTED, RunStatus.INTERRUPTED])
+def test_a_run_that_never_started_has_no_usage(end):
+    state, _ = make()
+    with pytest.raises(ValueError, match="only the end of a run that started has usage"):
+        state.transition(end, time=3.0, reason="queue_full", usage=USED)
+    assert (state.status, state.record.last_seq, state.record.usage) == (RunStatus.QUEUED, 1, None)
+    with pytest.raises(ValueError, match="usage on a started event"):
+        state.transition(RunStatus.RUNNING, time=2.0, usage=USED)
+    assert state.transition(end, time=3.0, reason="queue_full").usage is None
+
+
+def test_an_interruption_of_a_running_run_carries_what_it_used():
+    state, _ = make()
+    state.transition(RunStatus.RUNNING, time=2.0)
+    event = state.interrupt(time=5.0, message="restart", usage=USED)
+    assert (event.kind, event.usage, state.record.usage) == (EventKind.INTERRUPTED, USED, USED)
+
+
+def test_a_delta_carries_its_engine_tokens_and_no_other_event_does():
+    state, first = make()
+    started = state.transition(RunStatus.RUNNING, time=2.0)
+    assert (first.tokens, started.tokens) == (0, 0)
+    assert state.delta("one", time=2.1).tokens == 1  # one engine chunk, by default
+    assert state.delta("two three", time=2.2, tokens=2).tokens == 2
+    with pytest.raises(ValueError, match="a delta of -1 tokens"):
+        state.delta("x", time=2.3, tokens=-1)
+    other, _ = make()
+    other.transition(RunStatus.RUNNING, time=2.0)
+    end = attrs.evolve(other.transition(RunStatus.SUCCEEDED, time=3.0), seq=5, tokens=4)
+    with pytest.raises(ValueError, match="tokens on a succeeded event"):
+        fold(state.record, end)
+    assert state.record.last_seq == 4

@@ -601,3 +601,54 @@ def test_the_metric_table_matches_what_is_exposed():
     assert exposed == table
     with pytest.raises(ValueError, match="Duplicated"):
         NodeMetrics(node, registry=metrics.registry)
+
+
+async def test_tenant_tokens_count_every_settled_usage_with_the_tenant_label_bounded():
+    """Each run that started adds its settled tokens to its tenant (input: the prompt,
+    output: the completion), whatever ended it and whether the engine or the node counted
+    them; a tenant whose share is not set counts as other, and a run that never started
+    adds nothing. A run found running at start is counted as it is interrupted."""
+    store = MemoryStore()
+    left, first = RunState.create(
+        run_id="left", target=A, background=True, time=1.0, prompt="abcdefgh", tenant="gold"
+    )
+    await store.create(left.record, first)
+    await store.append(left.transition(RunStatus.RUNNING, time=2.0))
+    await store.append(left.delta("x y z", time=3.0, tokens=3))
+    adapter = ScriptedAdapter()
+    node = Node(
+        node_id="m1",
+        adapters=[adapter],
+        targets=[TargetSpec("scripted", "a", concurrency=2)],
+        limits=RuntimeLimits(tenants={"gold": TenantLimits()}),
+        store=store,
+    )
+    tokens = "iop_tenant_tokens_total"
+    async with serving_metrics(node) as s:
+        s.metrics.attach()  # before the node starts, as iop-node serve does
+        async with node.running():
+            m = await s.scrape()
+            # interrupted as the node started: its stored deltas, its prompt estimated
+            assert (
+                m(tokens, tenant="gold", kind="input"),
+                m(tokens, tenant="gold", kind="output"),
+            ) == (2, 3)
+            cancelled = await submit(node, A, "four byte word", tenant="gold")
+            stranger = await submit(node, A, "p", tenant="guest-17")
+            queued = await submit(node, A, "never started", tenant="gold")
+            for run_id in (cancelled, stranger):
+                adapter.script(run_id).delta("a")
+                adapter.script(run_id).delta("b")
+            await trio.testing.wait_all_tasks_blocked()
+            await node.manager.cancel(queued)
+            await node.manager.cancel(cancelled)
+            adapter.script(stranger).finish()
+            await ended(node, stranger)
+        m = await s.scrape()
+    assert m(tokens, tenant="gold", kind="input") == 2 + 4
+    assert m(tokens, tenant="gold", kind="output") == 3 + 2
+    assert m(tokens, tenant="other", kind="input") == 1
+    assert m(tokens, tenant="other", kind="output") == 2
+    assert not any(labels and ("tenant", "guest-17") in labels for _, labels in m.values)
+    # the node's estimates are not what the engine reported
+    assert m.get("iop_run_tokens_total", -1, target=A, kind="prompt") == -1

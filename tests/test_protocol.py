@@ -27,8 +27,19 @@ from iop_trio.protocol.convert import (
     merge_deltas,
     request_from_spec,
     spec_from_request,
+    summary_from_record,
+    usage_from_pb,
+    usage_to_pb,
 )
-from iop_trio.runtime import EventKind, InvalidRequest, RunEvent, RunSpec, Usage
+from iop_trio.runtime import (
+    EventKind,
+    InvalidRequest,
+    RunEvent,
+    RunRecord,
+    RunSpec,
+    RunStatus,
+    Usage,
+)
 
 
 def envelope(**fields: object) -> bytes:
@@ -173,8 +184,38 @@ def test_any_bytes_either_parse_or_raise_protocol_error(data):
 def test_run_event_conversion_round_trips():
     event = RunEvent("r", 9, EventKind.SUCCEEDED, 12.5, reason="", usage=Usage("stop", 3, 7))
     assert event_from_pb(event_to_pb(event)) == event
-    delta = RunEvent("r", 4, EventKind.DELTA, 1.0, text="héllo")
+    delta = RunEvent("r", 4, EventKind.DELTA, 1.0, text="héllo", tokens=2)
     assert event_from_pb(event_to_pb(delta)) == delta
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        Usage("stop", 3, 7),
+        Usage("", 0, 0, prompt_estimated=True, completion_estimated=True),  # 0 is not None
+        Usage("stop", 5, 2, completion_estimated=True),
+        Usage("length"),  # an engine that reported no counts
+    ],
+)
+def test_a_usage_and_what_in_it_is_estimated_cross_the_wire(usage):
+    event = RunEvent("r", 9, EventKind.CANCELLED, 12.5, usage=usage)
+    assert event_from_pb(event_to_pb(event)).usage == usage
+    record = RunRecord("r", "echo/m", RunStatus.CANCELLED, False, 1.0, usage=usage)
+    assert usage_from_pb(summary_from_record(record).usage) == usage
+
+
+def test_an_older_peers_usage_reads_as_it_meant_it():
+    """An older peer sends a count of 0 for none (it leaves the field out) and says
+    nothing of estimates; a newer one sends a 0 it means, which an older one reads as none."""
+    # what an older peer sends for done_reason "stop", prompt_tokens 0, completion_tokens 4:
+    # field 1 (a string) and field 3 (a varint); proto3 does not send a plain field's 0
+    old = b"\x0a\x04stop\x18\x04"
+    assert usage_from_pb(pb.Usage.FromString(old)) == Usage("stop", None, 4)
+    sent = usage_to_pb(Usage("", 0, 4, prompt_estimated=True)).SerializeToString()
+    assert b"\x10\x00" in sent  # field 2, 0: sent, since it is meant
+    assert not summary_from_record(RunRecord("r", "t", RunStatus.QUEUED, False, 1.0)).HasField(
+        "usage"
+    )
 
 
 def test_run_spec_round_trips_through_the_wire():
@@ -229,6 +270,9 @@ def test_merged_deltas_keep_the_text_its_order_and_every_status_event(pieces, ma
         )
         for seq, (run, kind, text) in enumerate(pieces, start=1)
     ]
+    for event in events:
+        if event.kind == pb.EVENT_KIND_DELTA:
+            event.tokens = len(event.text)  # a token a character, say
     originals = [(e.run_id, e.seq, e.kind, e.text) for e in events]
     merged = merge_deltas(events, max_text=max_text)
     # per run, the same text in the same order, and the same status events in place
@@ -236,6 +280,8 @@ def test_merged_deltas_keep_the_text_its_order_and_every_status_event(pieces, ma
         assert "".join(e.text for e in merged if e.run_id == run) == "".join(
             text for r, _, kind, text in originals if r == run
         )
+    # a merged delta holds the engine tokens of its pieces
+    assert all(e.tokens == len(e.text) for e in merged)
     statuses = [(r, q) for r, q, kind, _ in originals if kind != pb.EVENT_KIND_DELTA]
     assert [(e.run_id, e.seq) for e in merged if e.kind != pb.EVENT_KIND_DELTA] == statuses
     # a merged delta has the seq (and time) of its last piece; seqs only grow

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -28,6 +29,7 @@ from iop_trio.runtime import (
     TenantLimits,
     UnknownRun,
     UnknownTarget,
+    Usage,
 )
 from iop_trio.runtime.manager import EVENT_WINDOW
 from iop_trio.store import StoreUnavailable
@@ -1024,3 +1026,127 @@ async def test_a_run_committed_as_its_create_timeout_passes_is_created(autojump_
         assert await node.store.get(submitted.record.run_id) is not None
         await trio.testing.wait_all_tasks_blocked()
         assert adapter.started == [submitted.record.run_id]
+
+
+# --- usage: every end of a run that started carries it ----------------------------------------
+
+
+def counted(prompt: int, completion: int) -> Usage:
+    """A usage the node counted (its engine reported none)."""
+    return Usage("", prompt, completion, prompt_estimated=True, completion_estimated=True)
+
+
+async def test_every_end_of_a_run_that_started_carries_its_usage_and_no_other_does():
+    """A run that started ends with its tokens whatever ends it: the engine's where it
+    reported them, else its deltas' engine tokens and its prompt estimated (marked so);
+    a run that never started (cancelled or rejected in the queue) carries none."""
+    node, adapter = make_node(a_limit=3)
+    async with node.running():
+        done = await submit(node)
+        cancelled = await submit(node)
+        failed = await submit(node)
+        rejected = await submit(node, queue_timeout=0)  # no room, no wait: rejected at once
+        waited = await submit(node)  # waits for room, and is cancelled while it waits
+        for run_id in (done, cancelled, failed):
+            adapter.script(run_id).delta("one ")
+            adapter.script(run_id).delta("two ")
+        await trio.testing.wait_all_tasks_blocked()
+        await node.manager.cancel(waited)
+        adapter.script(done).finish()  # the script reports no counts: Usage("stop")
+        await node.manager.cancel(cancelled)
+        adapter.script(failed).fail()
+        await node.manager.wait_idle()
+    runs = (done, cancelled, failed, rejected, waited)
+    ends = {r: (await node.store.events(r))[-1] for r in runs}
+    assert {r: (e.kind, e.usage) for r, e in ends.items()} == {
+        done: (EventKind.SUCCEEDED, attrs.evolve(counted(1, 2), done_reason="stop")),
+        cancelled: (EventKind.CANCELLED, counted(1, 2)),
+        failed: (EventKind.FAILED, counted(1, 2)),
+        rejected: (EventKind.REJECTED, None),
+        waited: (EventKind.CANCELLED, None),
+    }
+    for run_id, end in ends.items():  # the record holds what its end holds
+        record = await node.store.get(run_id)
+        assert record is not None and record.usage == end.usage
+
+
+async def test_a_count_the_engine_reports_is_kept_exactly():
+    echo = EchoAdapter()  # reports its words, in and out
+    node = bounded_node(echo)
+    async with node.running():
+        run = await submit_text(node, "echo/m", "one two three")
+        await node.manager.wait_idle()
+    record = await node.store.get(run)
+    assert record is not None and record.usage == Usage("stop", 3, 3)
+    assert not record.usage.estimated
+
+
+async def test_a_delta_holds_the_tokens_of_the_chunks_it_joins():
+    """However the run joins the chunks that came while it was busy, its deltas' tokens
+    add up to the engine's chunks, and so does its counted completion."""
+    node, adapter = make_node()
+    async with node.running():
+        run = await submit(node)
+        script = adapter.script(run)
+        for word in ("a", "b", "c", "d", "e"):
+            script.delta(word)  # all there before the run wakes: joined as it can
+        await trio.testing.wait_all_tasks_blocked()
+        await node.manager.cancel(run)
+    events = await node.store.events(run)
+    deltas = [e for e in events if e.kind is EventKind.DELTA]
+    assert "".join(e.text for e in deltas) == "abcde"
+    assert [len(e.text) for e in deltas] == [e.tokens for e in deltas]
+    assert events[-1].usage == counted(1, 5)
+
+
+async def test_output_past_max_output_bytes_is_not_counted():
+    echo = EchoAdapter()
+    node = bounded_node(echo, max_output_bytes=10)
+    async with node.running():
+        run = await submit_text(node, "echo/m", "aaaa bbbb cccc dddd")
+        await node.manager.wait_idle()
+    record = await node.store.get(run)
+    assert record is not None and record.reason == "output_limit"
+    # the two words stored and sent; the third, which passed the bound, was neither
+    assert record.usage == counted(5, 2)  # ceil(19 / 4)
+
+
+async def test_a_prompt_is_estimated_with_the_nodes_chars_per_token():
+    adapter = ScriptedAdapter()
+    node = Node(
+        node_id="t",
+        adapters=[adapter],
+        targets=[TargetSpec("scripted", "m")],
+        limits=RuntimeLimits(chars_per_token=2),
+        store=MemoryStore(),
+    )
+    async with node.running():
+        run = (
+            await node.manager.submit(RunSpec("scripted/m", messages=(("user", "héllo"),)))
+        ).record.run_id
+        await trio.testing.wait_all_tasks_blocked()
+        await node.manager.cancel(run)
+    record = await node.store.get(run)
+    assert record is not None and record.usage == counted(5, 0)  # ceil((4 + 6) / 2)
+    with pytest.raises(ValueError, match="chars_per_token: must be a number > 0"):
+        RuntimeLimits(chars_per_token=0)
+
+
+async def test_a_run_found_running_at_start_is_settled_with_the_nodes_chars_per_token():
+    store = MemoryStore()
+    state, first = RunState.create(run_id="r", target=A, background=True, time=1.0, prompt="abcd")
+    await store.create(state.record, first)
+    await store.append(state.transition(RunStatus.RUNNING, time=2.0))
+    await store.append(state.delta("x y", time=3.0, tokens=2))
+    node = Node(
+        node_id="t",
+        adapters=[ScriptedAdapter()],
+        targets=[TargetSpec("scripted", "a")],
+        limits=RuntimeLimits(chars_per_token=1),
+        store=store,
+    )
+    async with node.running():
+        pass
+    record = await store.get("r")
+    assert record is not None
+    assert (record.status, record.usage) == (RunStatus.INTERRUPTED, counted(4, 2))

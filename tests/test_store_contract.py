@@ -16,7 +16,7 @@ import trio.testing
 from iop_trio.lifecycle import RunState
 from iop_trio.model import EventKind, RunEvent, RunStatus
 from iop_trio.runtime import Usage
-from iop_trio.store import RunStore, StoreError
+from iop_trio.store import RunStore, StoreError, UsageTotal
 from iop_trio.store.memory import MemoryStore
 from iop_trio.store.sqlite import SqliteStore
 
@@ -498,8 +498,89 @@ async def test_interrupt_unfinished(store):
     del queued
 
 
+async def test_a_deltas_tokens_and_a_settled_usage_are_kept(store):
+    state = await running(store, "r1")
+    await store.append(state.delta("one two ", time=102.0, tokens=2))
+    usage = Usage("", 4, 2, prompt_estimated=True, completion_estimated=True)
+    end = state.transition(RunStatus.CANCELLED, time=103.0, reason="cancelled", usage=usage)
+    await store.append_many([end])
+    assert [e.tokens for e in await store.events("r1")] == [0, 0, 2, 0]
+    assert (await store.events("r1"))[-1] == end
+    assert await store.get("r1") == state.record
+    assert state.record.usage == usage
+
+
+async def test_a_run_found_running_is_interrupted_with_the_usage_of_its_stored_deltas(store):
+    """Its completion is what its stored deltas hold (as the run counted them), its
+    prompt estimated from its size; both marked estimated. A run found QUEUED never
+    started, and has none."""
+    run = await running(store, "running", prompt="x" * 21, messages=(("user", "hi"),))
+    await store.append(run.delta("a b c ", time=102.0, tokens=3))
+    await store.append(run.delta("d", time=102.5))  # one chunk
+    idle = await running(store, "idle")  # started, its engine sent nothing yet
+    await created(store, "queued")
+    made = await store.interrupt_unfinished(time=500.0, message="m", chars_per_token=2)
+    usages = {e.run_id: e.usage for e in made}
+    expected = Usage("", 14, 4, prompt_estimated=True, completion_estimated=True)
+    assert usages == {  # ceil((21 + 4 + 2) / 2); "hello": ceil(5 / 2)
+        "running": expected,
+        "idle": Usage("", 3, 0, prompt_estimated=True, completion_estimated=True),
+        "queued": None,
+    }
+    for event in made:
+        record = await store.get(event.run_id)
+        assert record is not None
+        assert record.usage == event.usage  # in the same write as the event
+        assert (await store.events(event.run_id))[-1] == event
+    del idle
+
+
 async def test_interrupt_unfinished_on_an_empty_store(store):
     assert await store.interrupt_unfinished(time=1.0, message="m") == []
+
+
+# --- usage totals ----------------------------------------------------------------------------
+
+
+async def ended_with(
+    store: RunStore, run_id: str, usage: Usage, *, at: float, **kw: object
+) -> RunState:
+    state = await running(store, run_id, **kw)
+    await store.append(state.transition(RunStatus.CANCELLED, time=at, usage=usage))
+    return state
+
+
+def guessed(prompt: int, completion: int) -> Usage:
+    return Usage("", prompt, completion, prompt_estimated=True, completion_estimated=True)
+
+
+async def test_usage_totals_sum_the_records_of_runs_that_ended_in_the_window(store):
+    await ended_with(store, "a1", Usage("stop", 10, 5), at=100.0, tenant="a", target="t/x")
+    await ended_with(store, "a2", guessed(3, 2), at=200.0, tenant="a", target="t/y")
+    await ended_with(store, "b1", Usage("stop", 7, 1, prompt_estimated=True), at=300.0)
+    await ended_with(store, "a3", Usage("stop", 1, 1), at=400.0, tenant="a", target="t/x")
+    await finished(store, "old", at=250.0)  # ended without a usage, as before v3: none
+    await running(store, "live")  # not ended: not yet settled
+    rejected = await created(store, "rejected")  # never started: no usage
+    await store.append(rejected.transition(RunStatus.REJECTED, time=150.0, reason="queue_full"))
+
+    assert await store.usage_totals(by="tenant") == [
+        UsageTotal("", 1, 7, 1, 7, 0),
+        UsageTotal("a", 3, 14, 8, 3, 2),
+    ]
+    assert await store.usage_totals(by="target") == [
+        UsageTotal("echo/a", 1, 7, 1, 7, 0),
+        UsageTotal("t/x", 2, 11, 6, 0, 0),
+        UsageTotal("t/y", 1, 3, 2, 3, 2),
+    ]
+    # since is in the window, until is not
+    assert await store.usage_totals(by="tenant", since=200.0, until=400.0) == [
+        UsageTotal("", 1, 7, 1, 7, 0),
+        UsageTotal("a", 1, 3, 2, 3, 2),
+    ]
+    assert await store.usage_totals(by="target", since=400.0) == [UsageTotal("t/x", 1, 1, 1, 0, 0)]
+    assert await store.usage_totals(by="target", until=100.0) == []
+    assert (await store.usage_totals(by="tenant"))[1].estimated_tokens == 5
 
 
 async def test_prune(store):

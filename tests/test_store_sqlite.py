@@ -30,7 +30,12 @@ from iop_trio.model import EventKind, RunEvent, RunRecord, RunStatus
 from iop_trio.runtime import Usage
 from iop_trio.store import RunStore, StoreError, StoreUnavailable
 from iop_trio.store.memory import MemoryStore
-from iop_trio.store.sqlite import SCHEMA_VERSION, SqliteStore
+from iop_trio.store.sqlite import (
+    _MIGRATE_1_TO_2,
+    SCHEMA_VERSION,
+    SqliteStore,
+    usage_totals_sql,
+)
 
 from .support import HealthLog, logged, read_only
 from .test_store_contract import created, finished, new_run, running, seqs
@@ -217,6 +222,71 @@ async def test_a_version_1_store_is_migrated_in_place(tmp_path):
     raw = sqlite3.connect(path)
     assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     raw.close()
+
+
+async def test_a_version_2_store_is_migrated_with_its_usage_in_numbers(tmp_path):
+    """v3 keeps each run's token counts as numbers (for totals) and each delta's engine
+    tokens; a run stored before has its counts copied from its usage, a delta stored
+    before holds one token, and a run it left RUNNING is interrupted with those."""
+    path = tmp_path / "runs.db"
+    raw = sqlite3.connect(path)
+    for statement in (*V1_SCHEMA, *_MIGRATE_1_TO_2):
+        raw.execute(statement)
+    run = "INSERT INTO runs VALUES (?, ?, 'echo/m', ?, 0, 1.0, 'abcdefgh', '[]', '{}', 2.0, ?, "
+    run += "'', '', ?, ?, 't', 0, NULL)"
+    used = '{"done_reason": "stop", "prompt_tokens": 7, "completion_tokens": 9}'
+    raw.execute(run, (1, "done", "succeeded", 3.0, 4, used))
+    raw.execute(run, (2, "live", "running", None, 4, None))
+    event = "INSERT INTO events VALUES (?, ?, ?, 2.0, ?, '', '', ?, NULL)"
+    for run_id in ("done", "live"):
+        raw.execute(event, (run_id, 1, "queued", "", None))
+        raw.execute(event, (run_id, 2, "started", "", None))
+        raw.execute(event, (run_id, 3, "delta", "a b c", None))
+    raw.execute(event, ("done", 4, "succeeded", "", used))
+    raw.execute(event, ("live", 4, "delta", "d", None))
+    raw.execute("PRAGMA user_version = 2")
+    raw.commit()
+    raw.close()
+    store = SqliteStore(path)
+    try:
+        done = await store.get("done")
+        assert done is not None
+        assert done.usage == Usage("stop", 7, 9)  # the engine's, as it was
+        assert [e.tokens for e in await store.events("live")] == [0, 0, 1, 1]
+        [interrupted] = await store.interrupt_unfinished(time=5.0, message="restart")
+        assert interrupted.usage == Usage(
+            "", 2, 2, prompt_estimated=True, completion_estimated=True
+        )
+    finally:
+        await store.aclose()
+    raw = sqlite3.connect(path)
+    try:
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+        columns = "run_id, prompt_tokens, completion_tokens, prompt_estimated, completion_estimated"
+        assert raw.execute(f"SELECT {columns} FROM runs ORDER BY id").fetchall() == [
+            ("done", 7, 9, 0, 0),
+            ("live", 2, 2, 1, 1),
+        ]
+    finally:
+        raw.close()
+
+
+@pytest.mark.parametrize("by", ["tenant", "target"])
+@pytest.mark.parametrize(("since", "until"), [(100.0, 200.0), (100.0, None), (None, 200.0)])
+async def test_usage_totals_of_a_window_read_only_the_runs_that_ended_in_it(
+    store, tmp_path, by, since, until
+):
+    """One GROUP BY whose window is found through the index on the runs' finish time, so
+    a day's totals do not read a month of runs (left to itself, SQLite groups by the
+    index on tenant, which reads them all, for --since alone)."""
+    await created(store, "r1")
+    raw = sqlite3.connect(tmp_path / "runs.db")
+    try:
+        sql, args = usage_totals_sql(by, since, until)
+        plan = " ".join(row[-1] for row in raw.execute(f"EXPLAIN QUERY PLAN {sql}", args))
+        assert "USING INDEX runs_finished" in plan, plan
+    finally:
+        raw.close()
 
 
 async def test_a_newer_schema_version_is_refused(tmp_path):

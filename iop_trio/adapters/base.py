@@ -40,11 +40,20 @@ class AdapterRequest:
 
 @attrs.frozen
 class Delta:
+    """Text the engine sent, and how many engine tokens it holds: one an engine chunk (an
+    SSE ``chat.completion.chunk`` with content, an NDJSON line with content, an echoed
+    word), so a delta joined of the chunks of one network read holds several. The run
+    sums them: its completion tokens when the engine reports none (a cancelled run, an
+    engine that sends no usage when streaming)."""
+
     text: str
+    tokens: int = 1
 
 
 @attrs.frozen
 class Completion:
+    """The end of a run, with what the engine reported of its tokens (None: not reported)."""
+
     usage: Usage
 
 

@@ -93,7 +93,7 @@ class EchoAdapter(Adapter):
         sent = 0
         for word in itertools.islice(words, fail_after):
             await trio.sleep(delay)
-            yield Delta(word)
+            yield Delta(word)  # a word: one token
             sent += 1
         if fail_after is not None:
             raise AdapterError("engine_error", fail_message or f"echo failed after {sent} deltas")

@@ -3,7 +3,8 @@
 A run with messages POSTs ``/api/chat``, one with only a prompt
 ``/api/generate``, both with ``"stream": true``. Each response line is one
 JSON object; each non-empty ``message.content`` (chat) or ``response``
-(generate) piece becomes a :class:`Delta`, and the line with ``"done": true``
+(generate) piece becomes a :class:`Delta` (one token; the lines of one read are one
+Delta of as many tokens), and the line with ``"done": true``
 a :class:`Completion` with ``Usage(done_reason, prompt_eval_count,
 eval_count)``. Anything after that line is ignored.
 
@@ -204,7 +205,8 @@ class OllamaAdapter(HTTPAdapter):
                 batch = lines.feed(data) if data else [lines.flush() or b""]
             except LineTooLong as exc:
                 raise AdapterError("bad_response", f"{where}: {exc}") from None
-            # the texts of the lines that came in one read go on as one delta (see openai)
+            # the texts of the lines that came in one read go on as one delta (see openai),
+            # of one token a line with text
             texts: list[str] = []
             try:
                 for raw in batch:
@@ -217,7 +219,7 @@ class OllamaAdapter(HTTPAdapter):
                         texts.append(text)
                     if obj.get("done") is True:
                         if texts:
-                            yield Delta("".join(texts))
+                            yield Delta("".join(texts), tokens=len(texts))
                         reason = obj.get("done_reason")
                         yield Completion(
                             Usage(
@@ -230,10 +232,10 @@ class OllamaAdapter(HTTPAdapter):
                         return
             except AdapterError:
                 if texts:  # what came before the fault is the run's
-                    yield Delta("".join(texts))
+                    yield Delta("".join(texts), tokens=len(texts))
                 raise
             if texts:
-                yield Delta("".join(texts))
+                yield Delta("".join(texts), tokens=len(texts))
             if not data:
                 break
         if not seen:

@@ -4,7 +4,8 @@ Every run POSTs ``{base_url}/v1/chat/completions`` with ``"stream": true``
 (``base_url`` may already end in ``/v1``); a prompt-only run is sent as one
 user message. The response is read as server-sent events (see
 :class:`~iop_trio.adapters._http.SSEDecoder`): each event's data is one JSON
-chunk; ``choices[0].delta.content`` becomes a :class:`Delta`,
+chunk; ``choices[0].delta.content`` becomes a :class:`Delta` (one token; the chunks
+of one read are one Delta of as many tokens),
 ``choices[0].finish_reason`` the ``done_reason``, and a ``usage`` object (a
 final chunk with no choices, asked for with ``stream_options``) the token
 counts. ``data: [DONE]`` ends the stream and yields the :class:`Completion`;
@@ -37,7 +38,7 @@ import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..model import EngineSignals, Usage
+from ..model import EngineSignals, Usage, estimate_prompt_tokens
 from ._http import (
     HEALTH_TIMEOUT,
     MAX_LINE,
@@ -344,8 +345,8 @@ class OpenAIAdapter(HTTPAdapter):
             if message is not None:
                 raise AdapterError("engine_error", f"{where}: engine error: {message}")
             text = progress.take(completion, "message", where)
-            if text:
-                yield Delta(text)
+            if text:  # one answer, not a chunk a token: its tokens estimated from its size
+                yield Delta(text, tokens=estimate_prompt_tokens(text))
             yield progress.completion()
             return
         decoder = SSEDecoder()
@@ -360,20 +361,20 @@ class OpenAIAdapter(HTTPAdapter):
                     piece = self._event_text(event, progress, where)
                     if piece is None:  # [DONE]
                         if texts:
-                            yield Delta("".join(texts))
+                            yield Delta("".join(texts), tokens=len(texts))
                         yield progress.completion()
                         await response.drain()
                         return
-                    if piece:
+                    if piece:  # a chunk with content: one token
                         texts.append(piece)
             except AdapterError:
                 if texts:  # what came before the fault is the run's
-                    yield Delta("".join(texts))
+                    yield Delta("".join(texts), tokens=len(texts))
                 raise
             except LineTooLong as exc:
                 raise AdapterError("bad_response", f"{where}: {exc}") from None
             if texts:
-                yield Delta("".join(texts))
+                yield Delta("".join(texts), tokens=len(texts))
                 texts.clear()
         if not seen:
             raise AdapterError("empty_response", f"{where}: the engine sent an empty response")

@@ -115,6 +115,7 @@ def event_to_pb(event: RunEvent) -> pb.RunEvent:
         reason=event.reason,
         message=event.message,
         retry_after_s=event.retry_after or 0.0,
+        tokens=event.tokens,
     )
     if event.usage is not None:
         message.usage.CopyFrom(usage_to_pb(event.usage))
@@ -129,11 +130,12 @@ def merge_deltas(
 ) -> list[pb.RunEvent]:
     """``events`` with each run of consecutive DELTA events of one run merged into one.
 
-    A merged delta has the texts joined in order, and the ``seq`` and ``time`` of
-    its last piece, so a caller that resumes ``after_seq`` it misses nothing and
-    gets nothing twice. Status events are never merged nor moved; a merged text
-    stays within ``max_text`` characters (one piece longer than that is kept
-    whole). The messages are changed in place; pass ones you own.
+    A merged delta has the texts joined in order, the sum of their engine
+    ``tokens``, and the ``seq`` and ``time`` of its last piece, so a caller that
+    resumes ``after_seq`` it misses nothing and gets nothing twice. Status events
+    are never merged nor moved; a merged text stays within ``max_text``
+    characters (one piece longer than that is kept whole). The messages are
+    changed in place; pass ones you own.
     """
     merged: list[pb.RunEvent] = []
     last: pb.RunEvent | None = None
@@ -146,6 +148,7 @@ def merge_deltas(
             and len(last.text) + len(event.text) <= max_text
         ):
             last.text += event.text
+            last.tokens += event.tokens
             last.seq = event.seq
             last.time = event.time
             continue
@@ -166,27 +169,39 @@ def event_from_pb(message: pb.RunEvent) -> RunEvent:
         message=message.message,
         usage=usage,
         retry_after=message.retry_after_s or None,
+        tokens=message.tokens,
     )
 
 
 def usage_to_pb(usage: Usage) -> pb.Usage:
-    return pb.Usage(
+    """A count that is None is left out; 0 is sent as 0 (an older peer reads it as None)."""
+    message = pb.Usage(
         done_reason=usage.done_reason,
-        prompt_tokens=usage.prompt_tokens or 0,
-        completion_tokens=usage.completion_tokens or 0,
+        prompt_estimated=usage.prompt_estimated,
+        completion_estimated=usage.completion_estimated,
     )
+    if usage.prompt_tokens is not None:
+        message.prompt_tokens = usage.prompt_tokens
+    if usage.completion_tokens is not None:
+        message.completion_tokens = usage.completion_tokens
+    return message
 
 
 def usage_from_pb(message: pb.Usage) -> Usage:
+    """A count left out is None; so is an older peer's 0 (it sends no 0, it meant none)."""
     return Usage(
         done_reason=message.done_reason,
-        prompt_tokens=message.prompt_tokens or None,
-        completion_tokens=message.completion_tokens or None,
+        prompt_tokens=message.prompt_tokens if message.HasField("prompt_tokens") else None,
+        completion_tokens=(
+            message.completion_tokens if message.HasField("completion_tokens") else None
+        ),
+        prompt_estimated=message.prompt_estimated,
+        completion_estimated=message.completion_estimated,
     )
 
 
 def summary_from_record(record: RunRecord) -> pb.RunSummary:
-    return pb.RunSummary(
+    summary = pb.RunSummary(
         run_id=record.run_id,
         target=record.target,
         status=status_to_pb(record.status),
@@ -201,6 +216,9 @@ def summary_from_record(record: RunRecord) -> pb.RunSummary:
         priority=record.priority,
         retry_after_s=record.retry_after or 0.0,
     )
+    if record.usage is not None:
+        summary.usage.CopyFrom(usage_to_pb(record.usage))
+    return summary
 
 
 def limits_to_pb(limits: Limits) -> pb.Limits:

@@ -11,7 +11,8 @@ Life of a run (one task each, started with ``nursery.start``):
 2. Inside the run's own CancelScope: STARTED (unless written with QUEUED),
    the adapter's stream as DELTA events, and the adapter's end.
 3. The terminal event (SUCCEEDED, FAILED, CANCELLED or REJECTED) is made and
-   written under a shielded scope bounded by ``final_write_timeout``.
+   written under a shielded scope bounded by ``final_write_timeout``; that of a
+   run that started carries its usage (see :meth:`RunManager._finish`).
 
 Foreground and background runs take exactly this path; the only difference
 is that :meth:`RunManager.abandon` cancels the foreground runs of an owner
@@ -45,6 +46,7 @@ import trio
 from ..adapters.base import Adapter, AdapterError, AdapterRequest, Chunk, Delta
 from ..lifecycle import TRANSITIONS, RunState
 from ..model import (
+    CHARS_PER_TOKEN,
     MAX_JOINED_TEXT,
     EventKind,
     InvalidRequest,
@@ -57,7 +59,10 @@ from ..model import (
     UnknownRun,
     UnknownTarget,
     Usage,
+    estimate_prompt_tokens,
+    prompt_bytes,
     seconds_problem,
+    settle_usage,
     tenant_problem,
 )
 from ..store.base import RunStore, StoreError, StoreHealth, StoreUnavailable
@@ -88,7 +93,7 @@ class _Outcome:
     status: RunStatus
     reason: str = ""
     message: str = ""
-    usage: Usage | None = None
+    usage: Usage | None = None  # what the engine reported (its Completion), if it did
     retry_after: float | None = None
 
 
@@ -122,6 +127,7 @@ class _LiveRun:
     cancelling: bool = False  # a cancel or stop was asked for (the first reason wins)
     cancel_reason: str = ""
     unsynced: int = 0  # deltas taken by the store since the last one that was waited for
+    delta_tokens: int = 0  # the engine tokens of the run's delta events so far
     # STARTED, taken by the store and not yet published: published once durable, before
     # anything after it (see RunManager._start)
     held: tuple[RunEvent, trio.Event] | None = None
@@ -303,13 +309,6 @@ def check_spec(spec: RunSpec) -> None:
             raise InvalidRequest(f"queue_timeout {problem}")
 
 
-def prompt_bytes(spec: RunSpec) -> int:
-    """The size of what a run asks the engine, in UTF-8: its prompt and chat messages."""
-    return len(spec.prompt.encode()) + sum(
-        len(role.encode()) + len(content.encode()) for role, content in spec.messages
-    )
-
-
 def _new_run_id() -> str:
     return uuid.uuid4().hex
 
@@ -444,6 +443,7 @@ class RunManager:
         wall_clock: Callable[[], float] = time.time,
         listeners: list[Callable[[RunEvent, RunRecord], None]] | None = None,
         engine_answered: EngineAnswered | None = None,
+        chars_per_token: float = CHARS_PER_TOKEN,
     ) -> None:
         self._nursery = nursery
         self._gate = gate
@@ -471,6 +471,8 @@ class RunManager:
         self.listeners = listeners if listeners is not None else []
         # told what each run found of its target's engine (see EngineAnswered)
         self._engine_answered = engine_answered
+        # a prompt's tokens where the engine reports none (model.estimate_prompt_tokens)
+        self.chars_per_token = chars_per_token
 
     def __repr__(self) -> str:
         running = sum(1 for r in self._live.values() if r.state.status is RunStatus.RUNNING)
@@ -741,7 +743,7 @@ class RunManager:
             async with adapter.open_stream(request) as chunks, gathered(chunks) as batches:
                 async for batch in batches:
                     text: list[str] = []
-                    size = 0
+                    size = tokens = 0
                     for chunk in batch:
                         if completed:
                             # the first Completion ends the run; the adapter may still be
@@ -751,8 +753,8 @@ class RunManager:
                             )
                         elif isinstance(chunk, Delta):
                             output += len(chunk.text.encode())
-                            if output > max_output:
-                                await self._emit_text(live, text)
+                            if output > max_output:  # this chunk is neither sent nor counted
+                                await self._emit_text(live, text, tokens)
                                 return _Outcome(
                                     RunStatus.FAILED,
                                     "output_limit",
@@ -761,14 +763,15 @@ class RunManager:
                                     "stopped",
                                 )
                             if size and size + len(chunk.text) > MAX_JOINED_TEXT:
-                                await self._emit_text(live, text)
-                                text, size = [], 0
+                                await self._emit_text(live, text, tokens)
+                                text, size, tokens = [], 0, 0
                             text.append(chunk.text)
                             size += len(chunk.text)
+                            tokens += chunk.tokens
                         else:
                             usage = chunk.usage
                             completed = True
-                    await self._emit_text(live, text)
+                    await self._emit_text(live, text, tokens)
         except AdapterError as exc:
             if self._engine_answered is not None:
                 self._engine_answered(target.name, sent, exc)
@@ -777,11 +780,14 @@ class RunManager:
             self._engine_answered(target.name, sent, None)
         return _Outcome(RunStatus.SUCCEEDED, usage=usage)
 
-    async def _emit_text(self, live: _LiveRun, text: list[str]) -> None:
-        """Emit the pieces of ``text`` as one delta event (none if they are empty)."""
+    async def _emit_text(self, live: _LiveRun, text: list[str], tokens: int) -> None:
+        """Emit the pieces of ``text``, which hold ``tokens`` engine tokens, as one delta
+        event (none if they are empty), and count its tokens as the run's."""
         joined = "".join(text)
         if joined:
-            await self._emit(live, live.state.delta(joined, time=self._now()))
+            event = live.state.delta(joined, time=self._now(), tokens=tokens)
+            live.delta_tokens += tokens
+            await self._emit(live, event)
 
     def _start(self, live: _LiveRun) -> None:
         """Make the run's STARTED event and have the store write it at once, without
@@ -848,7 +854,21 @@ class RunManager:
         live.publish(event)
         notify(self.listeners, event, live.state.record)
 
+    def _settled(self, live: _LiveRun, reported: Usage | None) -> Usage | None:
+        """The usage the end of ``live`` carries: none if it never started; else each
+        count its engine ``reported`` (exact), or the node's, marked estimated: the engine
+        tokens of its delta events (one an engine chunk; what the engine sent that never
+        became a delta, or generated and never sent, is not counted) and its prompt
+        estimated from its size (``chars_per_token``), sent or not."""
+        if live.state.status is not RunStatus.RUNNING:
+            return None
+        prompt = estimate_prompt_tokens(live.state.record, self.chars_per_token)
+        return settle_usage(reported, prompt=prompt, completion=live.delta_tokens)
+
     async def _finish(self, live: _LiveRun, outcome: _Outcome) -> None:
+        """Make the run's terminal event from ``outcome``, with its usage if it started
+        (:meth:`_settled`), so the usage is stored with the end, in the same write, and
+        is never settled twice; write it (bounded, shielded) and publish it."""
         run_id = live.state.record.run_id
         if outcome.status not in TRANSITIONS[live.state.status]:
             # only a bug gets here (e.g. an internal error while QUEUED, which
@@ -861,7 +881,7 @@ class RunManager:
                 time=self._now(),
                 reason=outcome.reason,
                 message=outcome.message,
-                usage=outcome.usage,
+                usage=self._settled(live, outcome.usage),
                 retry_after=outcome.retry_after,
             )
             with trio.move_on_after(self.final_write_timeout, shield=True) as scope:

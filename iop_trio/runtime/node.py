@@ -26,6 +26,7 @@ import trio
 from .. import __version__
 from ..adapters.base import Adapter, AdapterError, AdapterRequest
 from ..model import (
+    CHARS_PER_TOKEN,
     MAX_OUTPUT_TOKENS,
     AdapterInfo,
     AutoConcurrency,
@@ -39,7 +40,9 @@ from ..model import (
     check_limit,
     check_seconds,
     check_tenant_limits,
+    field_check,
     option_rules_problem,
+    positive_problem,
 )
 from ..store.base import RunStore
 from .gate import Gate, Permit
@@ -70,6 +73,8 @@ class RuntimeLimits:
     exceeds its queue timeout (see :class:`~iop_trio.runtime.gate.Gate`).
     ``probe_interval``: every so many seconds the node asks each engine which
     models it serves (:meth:`Node.probe_engines`); None never asks.
+    ``chars_per_token``: the estimate of a run's prompt tokens where its engine reports
+    none (:func:`~iop_trio.model.estimate_prompt_tokens`).
     """
 
     concurrency: int = 8
@@ -88,6 +93,9 @@ class RuntimeLimits:
     token_budget: int | None = None
     max_output_tokens: int = MAX_OUTPUT_TOKENS
     hold_after: float = HOLD_AFTER
+    chars_per_token: float = attrs.field(
+        default=CHARS_PER_TOKEN, validator=field_check(positive_problem)
+    )
 
 
 @attrs.frozen
@@ -219,6 +227,8 @@ class Node:
             max_output_bytes=_either(target.max_output_bytes, r.max_output_bytes),
             max_run_time=_either(target.max_run_time, r.max_run_time),
             allow_options=allow,
+            chars_per_token=_either(target.chars_per_token, r.chars_per_token),
+            max_output_tokens=_either(target.max_output_tokens, r.max_output_tokens),
         )
 
     def __repr__(self) -> str:
@@ -261,7 +271,9 @@ class Node:
         try:
             async with trio.open_nursery() as nursery:
                 interrupted = await self.store.interrupt_unfinished(
-                    time=time.time(), message="the node stopped while the run was live"
+                    time=time.time(),
+                    message="the node stopped while the run was live",
+                    chars_per_token=self.runtime.chars_per_token,
                 )
                 if interrupted:
                     log.warning("marked %d unfinished runs INTERRUPTED", len(interrupted))
@@ -276,6 +288,7 @@ class Node:
                     store_grace=self.runtime.store_grace,
                     listeners=self.event_listeners,
                     engine_answered=self._run_answered,
+                    chars_per_token=self.runtime.chars_per_token,
                 )
                 for name, (auto, pool) in self.auto.items():
                     learner = CapacityLearner(

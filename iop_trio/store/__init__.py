@@ -5,6 +5,22 @@ their modules: :mod:`iop_trio.store.sqlite` (the default) and
 :mod:`iop_trio.store.memory`.
 """
 
-from .base import RunStore, StoreError, StoreHealth, StoreUnavailable
+from .base import (
+    RunStore,
+    StoreError,
+    StoreHealth,
+    StoreUnavailable,
+    UsageGroup,
+    UsageTotal,
+    unfinished_usage,
+)
 
-__all__ = ["RunStore", "StoreError", "StoreHealth", "StoreUnavailable"]
+__all__ = [
+    "RunStore",
+    "StoreError",
+    "StoreHealth",
+    "StoreUnavailable",
+    "UsageGroup",
+    "UsageTotal",
+    "unfinished_usage",
+]

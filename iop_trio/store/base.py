@@ -16,12 +16,22 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Collection, Sequence
+from typing import Literal
 
 import attrs
 import trio
 
 from ..lifecycle import fold
-from ..model import RunEvent, RunRecord, RunStatus
+from ..model import (
+    CHARS_PER_TOKEN,
+    Prompted,
+    RunEvent,
+    RunRecord,
+    RunStatus,
+    Usage,
+    estimate_prompt_tokens,
+    settle_usage,
+)
 
 
 class StoreError(Exception):
@@ -75,6 +85,38 @@ def created_record(record: RunRecord, event: RunEvent, then: Sequence[RunEvent])
         except (ValueError, RuntimeError) as exc:  # IllegalTransition is a RuntimeError
             raise StoreError(str(exc)) from exc
     return created
+
+
+def unfinished_usage(asked: Prompted, delta_tokens: int, chars_per_token: float) -> Usage:
+    """The usage of a run left RUNNING by a node that is gone, from what the store holds
+    (the end at a restart, :meth:`RunStore.interrupt_unfinished`, or a cancel with no
+    node running): the prompt it ``asked`` estimated, and the ``delta_tokens`` of its
+    stored deltas, both marked estimated."""
+    return settle_usage(
+        None, prompt=estimate_prompt_tokens(asked, chars_per_token), completion=delta_tokens
+    )
+
+
+#: What usage totals are grouped by: a run's tenant or its target.
+UsageGroup = Literal["tenant", "target"]
+
+
+@attrs.frozen
+class UsageTotal:
+    """The tokens of the runs of one tenant or target (``name``) that ended in a window
+    and carry a usage (those that started): how many, their prompt and completion tokens,
+    and how many of those are the node's estimates rather than the engine's counts."""
+
+    name: str
+    runs: int
+    prompt_tokens: int
+    completion_tokens: int
+    estimated_prompt_tokens: int
+    estimated_completion_tokens: int
+
+    @property
+    def estimated_tokens(self) -> int:
+        return self.estimated_prompt_tokens + self.estimated_completion_tokens
 
 
 def refused_error(refused: Sequence[str]) -> StoreError:
@@ -167,10 +209,33 @@ class RunStore(abc.ABC):
         at most ``limit`` of them (None: all)."""
 
     @abc.abstractmethod
-    async def interrupt_unfinished(self, *, time: float, message: str) -> list[RunEvent]:
+    async def interrupt_unfinished(
+        self, *, time: float, message: str, chars_per_token: float = CHARS_PER_TOKEN
+    ) -> list[RunEvent]:
         """Mark every QUEUED or RUNNING run INTERRUPTED, each with an event; return them.
 
-        Called once when a node starts, before it accepts runs.
+        Called once when a node starts, before it accepts runs. The INTERRUPTED event of
+        a run found RUNNING carries its usage (:func:`unfinished_usage`), in the same
+        write, so the usage of a run whose node died is settled once, here, and nowhere
+        else (its end was never stored, or it would not be RUNNING): its completion
+        tokens are those of its stored deltas, counted as the run counted them (one an
+        engine chunk), and its prompt tokens an estimate (``chars_per_token``), both
+        marked estimated. What the engine sent after the last stored delta (at most the
+        run's unsynced deltas: 64, or 200 ms of them), and what it generated and never
+        sent, is not counted. A run found QUEUED never started: no usage.
+        """
+
+    @abc.abstractmethod
+    async def usage_totals(
+        self, *, by: UsageGroup, since: float | None = None, until: float | None = None
+    ) -> list[UsageTotal]:
+        """The usage of the runs that ended at ``since`` or after and before ``until``
+        (unix times; None: no bound), summed by their tenant or target, by name.
+
+        Computed from the runs' records alone, each of which holds its run's usage once
+        (settled with its terminal event, in the same write): so nothing is counted
+        twice, nor lost. Runs without a usage (they never started) are not counted; runs
+        pruned (``store.retention_days``) are gone with their usage.
         """
 
     @abc.abstractmethod

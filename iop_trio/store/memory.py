@@ -8,8 +8,16 @@ import attrs
 import trio
 
 from ..lifecycle import RunState, fold
-from ..model import RunEvent, RunRecord, RunStatus
-from .base import RunStore, StoreError, created_record, refused_error
+from ..model import CHARS_PER_TOKEN, RunEvent, RunRecord, RunStatus
+from .base import (
+    RunStore,
+    StoreError,
+    UsageGroup,
+    UsageTotal,
+    created_record,
+    refused_error,
+    unfinished_usage,
+)
 
 
 class MemoryStore(RunStore):
@@ -99,15 +107,42 @@ class MemoryStore(RunStore):
         end = None if limit is None else start + max(limit, 0)
         return self._events.get(run_id, [])[start:end]
 
-    async def interrupt_unfinished(self, *, time: float, message: str) -> list[RunEvent]:
+    async def interrupt_unfinished(
+        self, *, time: float, message: str, chars_per_token: float = CHARS_PER_TOKEN
+    ) -> list[RunEvent]:
         await trio.lowlevel.checkpoint()
         made = []
         for record in self._runs.values():
             if not record.status.terminal:
-                event = RunState(record).interrupt(time=time, message=message)
+                usage = None
+                if record.status is RunStatus.RUNNING:
+                    sent = sum(e.tokens for e in self._events[record.run_id])
+                    usage = unfinished_usage(record, sent, chars_per_token)
+                event = RunState(record).interrupt(time=time, message=message, usage=usage)
                 self._events[record.run_id].append(event)
                 made.append(event)
         return made
+
+    async def usage_totals(
+        self, *, by: UsageGroup, since: float | None = None, until: float | None = None
+    ) -> list[UsageTotal]:
+        await trio.lowlevel.checkpoint()
+        sums: dict[str, list[int]] = {}
+        for r in self._runs.values():
+            if r.usage is None or r.finished is None:
+                continue
+            if (since is not None and r.finished < since) or (
+                until is not None and r.finished >= until
+            ):
+                continue
+            total = sums.setdefault(r.tenant if by == "tenant" else r.target, [0] * 5)
+            prompt, completion = r.usage.prompt_tokens or 0, r.usage.completion_tokens or 0
+            total[0] += 1
+            total[1] += prompt
+            total[2] += completion
+            total[3] += prompt if r.usage.prompt_estimated else 0
+            total[4] += completion if r.usage.completion_estimated else 0
+        return [UsageTotal(name, *sums[name]) for name in sorted(sums)]
 
     async def prune(self, *, finished_before: float) -> int:
         await trio.lowlevel.checkpoint()

@@ -47,9 +47,11 @@ Faults
 
 A batch that fails for a passing reason (SQLITE_FULL, SQLITE_IOERR,
 SQLITE_BUSY, ...: see :data:`_PASSING`) is rolled back and retried, with
-backoff, on a fresh connection, until it commits: nothing taken is lost or
-reordered. Meanwhile :meth:`SqliteStore.health` says the store cannot write
-(and why), the change is logged once each way and told to the
+backoff, on a fresh connection that first checkpoints the WAL (a full disk may
+have stopped the last one, and a WAL not checkpointed only grows), until it
+commits: nothing taken is lost or reordered. Meanwhile
+:meth:`SqliteStore.health` says the store cannot write (and why), the change
+is logged once each way and told to the
 :meth:`~SqliteStore.watch_health` listeners, and ``create`` refuses new runs
 at once with :class:`StoreUnavailable`. Once :meth:`aclose` is called, such
 writes get ``close_timeout`` more seconds; the ones still not made then
@@ -117,11 +119,13 @@ import trio
 
 from ..lifecycle import RunState, fold
 from ..model import (
+    CHARS_PER_TOKEN,
     LIVE_STATUSES,
     TERMINAL_STATUSES,
     EventKind,
     RunEvent,
     RunRecord,
+    RunSpec,
     RunStatus,
     Usage,
 )
@@ -131,17 +135,21 @@ from .base import (
     StoreError,
     StoreHealth,
     StoreUnavailable,
+    UsageGroup,
+    UsageTotal,
     created_record,
     refused_error,
+    unfinished_usage,
 )
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: The schema this code writes; PRAGMA user_version of the file. Version 1 (without
-#: tenants, priorities and retry hints) is migrated in place when the store opens.
-SCHEMA_VERSION = 2
+#: The schema this code writes; PRAGMA user_version of the file. Versions 1 (without
+#: tenants, priorities and retry hints) and 2 (without the runs' token columns and the
+#: deltas' token counts) are migrated in place when the store opens.
+SCHEMA_VERSION = 3
 
 #: Primary SQLite result codes of failures that pass (the disk fills, an I/O error,
 #: another process holds a lock too long): the batch is retried, never refused.
@@ -227,7 +235,12 @@ _SCHEMA = (
         usage TEXT,                          -- JSON object or NULL
         tenant TEXT NOT NULL DEFAULT '',
         priority INTEGER NOT NULL DEFAULT 0,
-        retry_after REAL                     -- a REJECTED run's hint (seconds) or NULL
+        retry_after REAL,                    -- a REJECTED run's hint (seconds) or NULL
+        -- the usage's counts again, as numbers, for totals (usage_totals); NULL: none
+        prompt_tokens INTEGER,
+        completion_tokens INTEGER,
+        prompt_estimated INTEGER NOT NULL DEFAULT 0,
+        completion_estimated INTEGER NOT NULL DEFAULT 0
     )
     """,
     "CREATE INDEX runs_status ON runs (status, id)",
@@ -245,6 +258,7 @@ _SCHEMA = (
         message TEXT NOT NULL,
         usage TEXT,                          -- JSON object or NULL
         retry_after REAL,
+        tokens INTEGER,                      -- a delta's engine tokens; NULL: before v3
         PRIMARY KEY (run_id, seq)
     ) WITHOUT ROWID
     """,
@@ -258,16 +272,29 @@ _MIGRATE_1_TO_2 = (
     "CREATE INDEX runs_tenant ON runs (tenant, id)",
     "ALTER TABLE events ADD COLUMN retry_after REAL",
 )
+#: From schema version 2 to 3 (then :func:`_fill_token_columns`). A delta stored before
+#: reads as one engine token (it holds one chunk at least).
+_MIGRATE_2_TO_3 = (
+    "ALTER TABLE runs ADD COLUMN prompt_tokens INTEGER",
+    "ALTER TABLE runs ADD COLUMN completion_tokens INTEGER",
+    "ALTER TABLE runs ADD COLUMN prompt_estimated INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE runs ADD COLUMN completion_estimated INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE events ADD COLUMN tokens INTEGER",
+)
 
+#: The columns that hold a run's usage as numbers (:func:`_usage_columns`).
+_USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "prompt_estimated", "completion_estimated")
 _RUN_COLUMNS = (
     "run_id, target, status, background, created, prompt, messages, options, "
-    "started, finished, reason, message, last_seq, usage, tenant, priority, retry_after"
+    "started, finished, reason, message, last_seq, usage, tenant, priority, retry_after, "
+    + ", ".join(_USAGE_FIELDS)
 )
-_EVENT_COLUMNS = "run_id, seq, kind, time, text, reason, message, usage, retry_after"
+_EVENT_COLUMNS = "run_id, seq, kind, time, text, reason, message, usage, retry_after, tokens"
 # Folding reads and writes only the columns lifecycle.fold() looks at or
 # changes, so a delta does not reload a long prompt or chat history.
 _FOLD_FIELDS = (
-    "status", "last_seq", "started", "finished", "reason", "message", "usage", "retry_after"
+    "status", "last_seq", "started", "finished", "reason", "message", "usage", "retry_after",
+    *_USAGE_FIELDS,
 )  # fmt: skip
 _FOLD_COLUMNS = "run_id, " + ", ".join(_FOLD_FIELDS)
 _LIVE = tuple(sorted(s.value for s in LIVE_STATUSES))
@@ -732,18 +759,41 @@ class SqliteStore(RunStore):
 
         return await self._read(read)
 
-    async def interrupt_unfinished(self, *, time: float, message: str) -> list[RunEvent]:
-        """Mark every QUEUED or RUNNING run INTERRUPTED (oldest first), in one transaction."""
+    async def interrupt_unfinished(
+        self, *, time: float, message: str, chars_per_token: float = CHARS_PER_TOKEN
+    ) -> list[RunEvent]:
+        """Mark every QUEUED or RUNNING run INTERRUPTED (oldest first), in one transaction;
+        see :meth:`RunStore.interrupt_unfinished` for the usage of those found RUNNING."""
 
         def work(conn: sqlite3.Connection) -> list[RunEvent]:
             live = f"status IN ({_marks(len(_LIVE))})"
             rows = conn.execute(
                 f"SELECT {_FOLD_COLUMNS} FROM runs WHERE {live} ORDER BY id", _LIVE
             ).fetchall()
+            # what those found RUNNING asked and were sent, for their usage: the deltas'
+            # tokens (a delta stored before they were kept counts one)
+            asked = {
+                run_id: RunSpec("", prompt, tuple((r, c) for r, c in json.loads(messages)))
+                for run_id, prompt, messages in conn.execute(
+                    "SELECT run_id, prompt, messages FROM runs WHERE status = 'running'"
+                )
+            }
+            sent = dict(
+                conn.execute(
+                    "SELECT e.run_id, SUM(COALESCE(e.tokens, 1)) FROM runs r JOIN events e "
+                    "ON e.run_id = r.run_id WHERE r.status = 'running' AND e.kind = 'delta' "
+                    "GROUP BY e.run_id"
+                ).fetchall()
+            )
             made = []
             for row in rows:
                 record = _fold_record(row)
-                event = RunState(record).interrupt(time=time, message=message)
+                usage = None
+                if record.run_id in asked:
+                    usage = unfinished_usage(
+                        asked[record.run_id], sent.get(record.run_id, 0), chars_per_token
+                    )
+                event = RunState(record).interrupt(time=time, message=message, usage=usage)
                 _write_event(conn, record, event)
                 self._folds.pop(record.run_id, None)
                 made.append(event)
@@ -752,6 +802,18 @@ class SqliteStore(RunStore):
 
         job = _Job("interrupt_unfinished", work, withdrawable=True)
         return await self._write(job)
+
+    async def usage_totals(
+        self, *, by: UsageGroup, since: float | None = None, until: float | None = None
+    ) -> list[UsageTotal]:
+        """One GROUP BY over the runs' token columns; see :meth:`RunStore.usage_totals`.
+        A window reads only the runs that ended in it (the index on ``finished``)."""
+        sql, args = usage_totals_sql(by, since, until)
+
+        def read(conn: sqlite3.Connection) -> list[UsageTotal]:
+            return [UsageTotal(*row) for row in conn.execute(sql, args).fetchall()]
+
+        return await self._read(read)
 
     async def prune(self, *, finished_before: float) -> int:
         """Delete terminal runs with ``finished < finished_before`` and their events."""
@@ -976,6 +1038,12 @@ class SqliteStore(RunStore):
                     raise self._open_error
                 if self._conn is None:
                     self._conn = self._open_writer()
+                    if attempt:
+                        # a full disk stops the checkpoint a closing connection makes, and
+                        # a WAL not checkpointed is appended to, not reused, so each attempt
+                        # would fill the room the disk got back: checkpoint first, and free
+                        # the WAL's space (a checkpoint that still fails is retried too)
+                        self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
                 for statement in self._test_pragmas:
                     self._conn.execute(statement)
                 committed, events = self._transaction(self._conn, batch)
@@ -1124,7 +1192,7 @@ class SqliteStore(RunStore):
                 conn.execute("DELETE FROM events WHERE run_id = ?", (_PROBE_RUN,))
                 conn.execute(
                     f"INSERT INTO events ({_EVENT_COLUMNS}) "
-                    "VALUES (?, 0, 'probe', 0, zeroblob(?), '', '', NULL, NULL)",
+                    "VALUES (?, 0, 'probe', 0, zeroblob(?), '', '', NULL, NULL, NULL)",
                     (_PROBE_RUN, size),
                 )
                 conn.execute("COMMIT")
@@ -1539,9 +1607,12 @@ def _check_or_create_schema(conn: sqlite3.Connection) -> None:
             for statement in _SCHEMA:
                 conn.execute(statement)
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        elif version == 1:
-            for statement in _MIGRATE_1_TO_2:
+        elif version in (1, 2):
+            for statement in _MIGRATE_1_TO_2 if version == 1 else ():
                 conn.execute(statement)
+            for statement in _MIGRATE_2_TO_3:
+                conn.execute(statement)
+            _fill_token_columns(conn)
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         elif version != SCHEMA_VERSION:  # pragma: no cover - no other versions exist
             raise StoreError(f"the run store has schema version {version}; cannot migrate it")
@@ -1549,6 +1620,49 @@ def _check_or_create_schema(conn: sqlite3.Connection) -> None:
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+
+
+def usage_totals_sql(
+    by: UsageGroup, since: float | None, until: float | None
+) -> tuple[str, list[object]]:
+    """The statement (and its arguments) of :meth:`SqliteStore.usage_totals`."""
+    column = {"tenant": "tenant", "target": "target"}[by]  # never the caller's text
+    where = ["usage IS NOT NULL", "finished IS NOT NULL"]
+    args: list[object] = []
+    if since is not None:
+        where.append("finished >= ?")
+        args.append(since)
+    if until is not None:
+        where.append("finished < ?")
+        args.append(until)
+    sums = ", ".join(
+        f"COALESCE(SUM({count}), 0)"
+        for count in (
+            "prompt_tokens",
+            "completion_tokens",
+            "prompt_tokens * prompt_estimated",
+            "completion_tokens * completion_estimated",
+        )
+    )
+    # a window reads the runs that ended in it, by the index on finished: left to choose,
+    # SQLite takes the index on tenant (or target) to group without sorting, and reads
+    # every run (a second for 500,000, against milliseconds for a day of them)
+    source = "runs" if since is None and until is None else "runs INDEXED BY runs_finished"
+    sql = (
+        f"SELECT {column}, COUNT(*), {sums} FROM {source} WHERE {' AND '.join(where)} "
+        f"GROUP BY {column} ORDER BY {column}"
+    )
+    return sql, args
+
+
+def _fill_token_columns(conn: sqlite3.Connection) -> None:
+    """Set the token columns of every run with a usage from its JSON (migrating to v3)."""
+    rows = conn.execute("SELECT run_id, usage FROM runs WHERE usage IS NOT NULL").fetchall()
+    assignments = ", ".join(f"{field} = ?" for field in _USAGE_FIELDS)
+    conn.executemany(
+        f"UPDATE runs SET {assignments} WHERE run_id = ?",
+        [(*_usage_columns(_usage(usage)), run_id) for run_id, usage in rows],
+    )
 
 
 def _passing(exc: BaseException) -> str | None:
@@ -1644,6 +1758,8 @@ def _usage_json(usage: Usage | None) -> str | None:
             "done_reason": usage.done_reason,
             "prompt_tokens": usage.prompt_tokens,
             "completion_tokens": usage.completion_tokens,
+            "prompt_estimated": usage.prompt_estimated,
+            "completion_estimated": usage.completion_estimated,
         }
     )
 
@@ -1652,7 +1768,26 @@ def _usage(text: str | None) -> Usage | None:
     if text is None:
         return None
     data = json.loads(text)
-    return Usage(data["done_reason"], data["prompt_tokens"], data["completion_tokens"])
+    return Usage(
+        data["done_reason"],
+        data["prompt_tokens"],
+        data["completion_tokens"],
+        # absent: stored before the node settled usage, a count the engine's or none
+        prompt_estimated=data.get("prompt_estimated", False),
+        completion_estimated=data.get("completion_estimated", False),
+    )
+
+
+def _usage_columns(usage: Usage | None) -> tuple[object, ...]:
+    """The values of :data:`_USAGE_FIELDS` for a run whose record holds ``usage``."""
+    if usage is None:
+        return (None, None, 0, 0)
+    return (
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        int(usage.prompt_estimated),
+        int(usage.completion_estimated),
+    )
 
 
 def _run_row(record: RunRecord) -> tuple[object, ...]:
@@ -1674,6 +1809,7 @@ def _run_row(record: RunRecord) -> tuple[object, ...]:
         record.tenant,
         record.priority,
         record.retry_after,
+        *_usage_columns(record.usage),
     )
 
 
@@ -1711,20 +1847,26 @@ def _event_row(event: RunEvent) -> tuple[object, ...]:
         event.message,
         _usage_json(event.usage),
         event.retry_after,
+        event.tokens,
     )
 
 
 def _event(row: tuple[Any, ...]) -> RunEvent:
+    kind = EventKind(row[2])
+    tokens = row[9]
+    if tokens is None:  # stored before v3: a delta holds one engine chunk at least
+        tokens = 1 if kind is EventKind.DELTA else 0
     return RunEvent(
         run_id=row[0],
         seq=row[1],
-        kind=EventKind(row[2]),
+        kind=kind,
         time=row[3],
         text=row[4],
         reason=row[5],
         message=row[6],
         usage=_usage(row[7]),
         retry_after=row[8],
+        tokens=tokens,
     )
 
 
@@ -1757,6 +1899,7 @@ def _fold_values(record: RunRecord) -> tuple[object, ...]:
         record.message,
         _usage_json(record.usage),
         record.retry_after,
+        *_usage_columns(record.usage),
     )
 
 

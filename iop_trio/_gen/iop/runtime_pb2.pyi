@@ -269,17 +269,21 @@ class RunAccepted(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., status: _Optional[_Union[RunStatus, str]] = ..., existing: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("done_reason", "prompt_tokens", "completion_tokens")
+    __slots__ = ("done_reason", "prompt_tokens", "completion_tokens", "prompt_estimated", "completion_estimated")
     DONE_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ESTIMATED_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_ESTIMATED_FIELD_NUMBER: _ClassVar[int]
     done_reason: str
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, done_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    prompt_estimated: bool
+    completion_estimated: bool
+    def __init__(self, done_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., prompt_estimated: _Optional[bool] = ..., completion_estimated: _Optional[bool] = ...) -> None: ...
 
 class RunEvent(_message.Message):
-    __slots__ = ("run_id", "seq", "kind", "time", "text", "reason", "message", "usage", "retry_after_s")
+    __slots__ = ("run_id", "seq", "kind", "time", "text", "reason", "message", "usage", "retry_after_s", "tokens")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +293,7 @@ class RunEvent(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     seq: int
     kind: EventKind
@@ -298,7 +303,8 @@ class RunEvent(_message.Message):
     message: str
     usage: Usage
     retry_after_s: float
-    def __init__(self, run_id: _Optional[str] = ..., seq: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., time: _Optional[float] = ..., text: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
+    tokens: int
+    def __init__(self, run_id: _Optional[str] = ..., seq: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., time: _Optional[float] = ..., text: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., retry_after_s: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class CancelRun(_message.Message):
     __slots__ = ("run_id", "reason")
@@ -331,7 +337,7 @@ class GetRun(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., include_events: _Optional[bool] = ..., after_seq: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
 
 class RunSummary(_message.Message):
-    __slots__ = ("run_id", "target", "status", "reason", "message", "background", "created", "started", "finished", "last_seq", "tenant", "priority", "retry_after_s")
+    __slots__ = ("run_id", "target", "status", "reason", "message", "background", "created", "started", "finished", "last_seq", "tenant", "priority", "retry_after_s", "usage")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -345,6 +351,7 @@ class RunSummary(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     target: str
     status: RunStatus
@@ -358,7 +365,8 @@ class RunSummary(_message.Message):
     tenant: str
     priority: int
     retry_after_s: float
-    def __init__(self, run_id: _Optional[str] = ..., target: _Optional[str] = ..., status: _Optional[_Union[RunStatus, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., background: _Optional[bool] = ..., created: _Optional[float] = ..., started: _Optional[float] = ..., finished: _Optional[float] = ..., last_seq: _Optional[int] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
+    usage: Usage
+    def __init__(self, run_id: _Optional[str] = ..., target: _Optional[str] = ..., status: _Optional[_Union[RunStatus, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., background: _Optional[bool] = ..., created: _Optional[float] = ..., started: _Optional[float] = ..., finished: _Optional[float] = ..., last_seq: _Optional[int] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., retry_after_s: _Optional[float] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class RunInfo(_message.Message):
     __slots__ = ("run", "events", "more_events")
