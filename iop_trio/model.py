@@ -185,19 +185,22 @@ def estimate_prompt_tokens(run: Prompted | str, chars_per_token: float = CHARS_P
     return math.ceil(size / chars_per_token)
 
 
-def settle_usage(reported: Usage | None, *, prompt: int, completion: int) -> Usage:
+def settle_usage(
+    reported: Usage | None, *, prompt: int, completion: int, prompt_exact: bool = False
+) -> Usage:
     """The usage the end of a run that started carries: each count the engine
     ``reported`` (exact), else the node's, marked estimated: ``prompt`` (its estimate of
     the run's prompt, :func:`estimate_prompt_tokens`) and ``completion`` (the engine
     tokens of the run's delta events, :attr:`RunEvent.tokens`). A reported count is
-    kept even where the node counted otherwise."""
+    kept even where the node counted otherwise. ``prompt_exact``: the node's ``prompt``
+    is the engine tokenizer's own count (asked at admission), not an estimate."""
     reported = reported or Usage()
     prompt_tokens, completion_tokens = reported.prompt_tokens, reported.completion_tokens
     return Usage(
         reported.done_reason,
         prompt if prompt_tokens is None else prompt_tokens,
         completion if completion_tokens is None else completion_tokens,
-        prompt_estimated=prompt_tokens is None,
+        prompt_estimated=prompt_tokens is None and not prompt_exact,
         completion_estimated=completion_tokens is None,
     )
 

@@ -358,6 +358,10 @@ class Gate:
             limiter.borrowed_tokens == pool.running for pool, limiter in self._limiters.items()
         )
 
+    def counts_tokens(self, target: str, tenant: str) -> bool:
+        """See :meth:`Scheduler.counts_tokens`."""
+        return self.scheduler.counts_tokens(target, tenant)
+
     def adapter_of(self, target: str) -> str:
         return self.scheduler.lane(target).adapter_name
 
@@ -427,8 +431,9 @@ class Gate:
             # its deadline or an outside cancel: a granted ticket's task has been
             # rescheduled already and is never aborted, so this one still waits
             self._waiters.pop(ticket, None)
-            self.scheduler.withdraw(borrower)
+            _, granted = self.scheduler.withdraw(borrower, trio.current_time())
             self._forget_limiter(ticket)
+            self._carry_out(granted)
             return trio.lowlevel.Abort.SUCCEEDED
 
         # its deadline is its own (expire_waiting may meet it first, with the same answer)
@@ -544,7 +549,7 @@ class Gate:
         Cheaper than cancelling the waiting task: no Cancelled is delivered, so a drain
         can empty a queue of 100,000 runs quickly.
         """
-        ticket = self.scheduler.withdraw(borrower)
+        ticket, granted = self.scheduler.withdraw(borrower, trio.current_time())
         if ticket is None:
             return False
         waiter = self._waiters.pop(ticket)
@@ -552,6 +557,7 @@ class Gate:
         if waiter.task is not None:
             waiter.withdrawn = True
             trio.lowlevel.reschedule(waiter.task)  # it raises GateWithdrawn
+        self._carry_out(granted)
         return True
 
     def _forget_limiter(self, ticket: Ticket) -> None:

@@ -48,6 +48,7 @@ from ..lifecycle import TRANSITIONS, RunState
 from ..model import (
     CHARS_PER_TOKEN,
     MAX_JOINED_TEXT,
+    MAX_OUTPUT_TOKENS,
     EventKind,
     InvalidRequest,
     NodeUnavailable,
@@ -95,6 +96,10 @@ class _Outcome:
     message: str = ""
     usage: Usage | None = None  # what the engine reported (its Completion), if it did
     retry_after: float | None = None
+    # a run that succeeded: seconds from its request to its first token, and per output
+    # token after it (None for fewer than two), for a learned concurrency
+    ttft: float | None = None
+    tpot: float | None = None
 
 
 #: How many of a live run's latest events are kept in memory for its watchers;
@@ -128,6 +133,10 @@ class _LiveRun:
     cancel_reason: str = ""
     unsynced: int = 0  # deltas taken by the store since the last one that was waited for
     delta_tokens: int = 0  # the engine tokens of the run's delta events so far
+    # its prompt's tokens as counted at admission (None: not counted), and whether that
+    # was the engine tokenizer's own count
+    prompt_tokens: int | None = None
+    prompt_exact: bool = False
     # STARTED, taken by the store and not yet published: published once durable, before
     # anything after it (see RunManager._start)
     held: tuple[RunEvent, trio.Event] | None = None
@@ -192,6 +201,7 @@ class _Entering:
     live: _LiveRun
     target: TargetSpec
     spec: RunSpec
+    cost: int = 0  # the tokens it reserves (see RunManager.submit)
     stored: bool = False
 
 
@@ -424,6 +434,9 @@ async def gathered(chunks: AsyncIterator[Chunk]) -> AsyncIterator[AsyncIterator[
 #: AdapterError that ended it, None if it SUCCEEDED. A run that was cancelled, stopped
 #: or passed a bound of the node's own says nothing of its engine and is not told.
 EngineAnswered = Callable[[str, float, AdapterError | None], None]
+#: Told, as a run that succeeded gives back its permit, that permit, the run's time to
+#: first token and per output token after it (None for fewer than two tokens).
+RunEnded = Callable[[Permit, float, float | None], None]
 
 
 class RunManager:
@@ -444,6 +457,7 @@ class RunManager:
         listeners: list[Callable[[RunEvent, RunRecord], None]] | None = None,
         engine_answered: EngineAnswered | None = None,
         chars_per_token: float = CHARS_PER_TOKEN,
+        run_ended: RunEnded | None = None,
     ) -> None:
         self._nursery = nursery
         self._gate = gate
@@ -473,6 +487,8 @@ class RunManager:
         self._engine_answered = engine_answered
         # a prompt's tokens where the engine reports none (model.estimate_prompt_tokens)
         self.chars_per_token = chars_per_token
+        self._run_ended = run_ended
+        self._tokenizer_failed: set[str] = set()  # targets whose tokenizer failed once
 
     def __repr__(self) -> str:
         running = sum(1 for r in self._live.values() if r.state.status is RunStatus.RUNNING)
@@ -530,9 +546,74 @@ class RunManager:
             if known is not None:
                 return Submitted(known, existing=True)
         run_id = spec.run_id or self._new_run_id()
+        spec, cost, counted = await self._reservation(spec, target)
         bound = self.store_grace if create_timeout is None else create_timeout
-        record: RunRecord = await self._nursery.start(self._run, spec, target, run_id, owner, bound)
+        record: RunRecord = await self._nursery.start(
+            partial(self._run, spec, target, run_id, owner, bound, cost=cost, counted=counted)
+        )
         return Submitted(record)
+
+    async def _reservation(
+        self, spec: RunSpec, target: TargetSpec
+    ) -> tuple[RunSpec, int, tuple[int, bool] | None]:
+        """What a run reserves, where a token rule applies to it (a token budget, a learned
+        capacity, its tenant's token rate or tokens in flight): its prompt's tokens (the
+        engine's tokenizer's count where the target says so, else the node's estimate)
+        plus the most output it may make (its own bound, else its target's cap, else the
+        target's ``max_output_tokens``). A run that asks for no bound is sent with the
+        one it reserved, where its engine takes one, so the reservation bounds what it
+        holds. Returns the spec it runs with, the cost (0: no rule applies) and the
+        prompt's count with whether it is exact (None: not counted)."""
+        if not self._gate.counts_tokens(spec.target, spec.tenant):
+            return spec, 0, None
+        adapter = self._adapters[target.adapter]
+        prompt, exact = await self._prompt_tokens(spec, target, adapter)
+        params = target.params_for(spec.options)
+        bound = None
+        for name in adapter.output_limit_options:
+            outer, _, inner = name.partition(".")
+            value = params.get(outer)
+            if inner:
+                value = value.get(inner) if isinstance(value, Mapping) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+                bound = value
+                break
+        if bound is None:
+            bound = target.max_output_tokens or MAX_OUTPUT_TOKENS
+            if adapter.output_limit_options:
+                options = dict(spec.options)
+                options[adapter.output_limit_options[0]] = bound
+                spec = attrs.evolve(spec, options=options)
+        return spec, prompt + bound, (prompt, exact)
+
+    async def _prompt_tokens(
+        self, spec: RunSpec, target: TargetSpec, adapter: Adapter
+    ) -> tuple[int, bool]:
+        """The prompt's tokens and whether the engine counted them (its ``tokenizer``); a
+        tokenizer that fails is said once a target, and the estimate is used."""
+        chars = target.chars_per_token or self.chars_per_token
+        if target.tokenizer != "estimate":
+            request = AdapterRequest(
+                run_id="", model=target.model, prompt=spec.prompt, messages=spec.messages
+            )
+            try:
+                count = await adapter.count_tokens(request, target.tokenizer)
+            except AdapterError as exc:
+                if target.name not in self._tokenizer_failed:
+                    self._tokenizer_failed.add(target.name)
+                    log.warning(
+                        "target %s: its engine's tokenizer did not count a prompt (%s); "
+                        "prompts are estimated at %g bytes a token until it does",
+                        target.name,
+                        exc.message,
+                        chars,
+                    )
+                count = None
+            else:
+                self._tokenizer_failed.discard(target.name)
+            if count is not None:
+                return count, True
+        return estimate_prompt_tokens(spec, chars), False
 
     async def _run(
         self,
@@ -541,6 +622,9 @@ class RunManager:
         run_id: str,
         owner: Hashable | None,
         bound: float,
+        *,
+        cost: int = 0,
+        counted: tuple[int, bool] | None = None,
         task_status: trio.TaskStatus[RunRecord],
     ) -> None:
         state, first = RunState.create(
@@ -557,13 +641,15 @@ class RunManager:
         if run_id in self._live:
             raise InvalidRequest(f"run {run_id} is being created already")
         live = _LiveRun(state, None if spec.background else owner)
+        if counted is not None:
+            live.prompt_tokens, live.prompt_exact = counted
         self._live[run_id] = live
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         queued = attrs.evolve(state.record)
         if not self._entering:
             # a run that may start at once stores STARTED with QUEUED: one write, not two
             permit = self._gate.enter_now(
-                live, spec.target, priority=spec.priority, tenant=spec.tenant
+                live, spec.target, priority=spec.priority, tenant=spec.tenant, cost=cost
             )
             if permit is not None:
                 await self._create(live, queued, first, permit, bound, task_status)
@@ -571,7 +657,7 @@ class RunManager:
                 return
         # the others enter the gate once stored QUEUED, in the order they came (see
         # _Entering); until they have, nobody takes a permit at once past them
-        entry = _Entering(live, target, spec)
+        entry = _Entering(live, target, spec, cost)
         self._entering.append(entry)
         try:
             await self._create(live, queued, first, None, bound, task_status)
@@ -619,6 +705,7 @@ class RunManager:
                 priority=spec.priority,
                 tenant=spec.tenant,
                 queue_timeout=spec.queue_timeout,
+                cost=entry.cost,
             )
         except GateRejected as rejected:
             return partial(self._finish, live, _rejected(rejected))
@@ -696,6 +783,19 @@ class RunManager:
                         outcome = await self._execute_admitted(live, target, spec, started)
                 if outcome is None:  # cancelled, or stopped otherwise
                     outcome = live.stopped()
+                # its tokens settle with what it used, the same count its end will carry
+                usage = self._settled(live, outcome.usage)
+                permit.settle(
+                    None
+                    if usage is None
+                    else (usage.prompt_tokens or 0) + (usage.completion_tokens or 0)
+                )
+                if (
+                    outcome.status is RunStatus.SUCCEEDED
+                    and outcome.ttft is not None
+                    and self._run_ended is not None
+                ):
+                    self._run_ended(permit, outcome.ttft, outcome.tpot)
         except trio.Cancelled:
             # the node-wide nursery is being cancelled (shutdown)
             outcome = _Outcome(RunStatus.CANCELLED, "node_shutdown", "the node stopped")
@@ -739,6 +839,7 @@ class RunManager:
         output = 0
         max_output = math.inf if target.max_output_bytes is None else target.max_output_bytes
         sent = trio.current_time()
+        first: float | None = None
         try:
             async with adapter.open_stream(request) as chunks, gathered(chunks) as batches:
                 async for batch in batches:
@@ -768,6 +869,8 @@ class RunManager:
                             text.append(chunk.text)
                             size += len(chunk.text)
                             tokens += chunk.tokens
+                            if first is None:
+                                first = trio.current_time()
                         else:
                             usage = chunk.usage
                             completed = True
@@ -778,7 +881,14 @@ class RunManager:
             return _Outcome(RunStatus.FAILED, exc.reason, exc.message, retry_after=exc.retry_after)
         if self._engine_answered is not None:
             self._engine_answered(target.name, sent, None)
-        return _Outcome(RunStatus.SUCCEEDED, usage=usage)
+        ttft = tpot = None
+        if first is not None:
+            ttft = first - sent
+            made = usage.completion_tokens if usage is not None else None
+            made = live.delta_tokens if made is None else made
+            if made >= 2:
+                tpot = (trio.current_time() - first) / (made - 1)
+        return _Outcome(RunStatus.SUCCEEDED, usage=usage, ttft=ttft, tpot=tpot)
 
     async def _emit_text(self, live: _LiveRun, text: list[str], tokens: int) -> None:
         """Emit the pieces of ``text``, which hold ``tokens`` engine tokens, as one delta
@@ -862,8 +972,12 @@ class RunManager:
         estimated from its size (``chars_per_token``), sent or not."""
         if live.state.status is not RunStatus.RUNNING:
             return None
-        prompt = estimate_prompt_tokens(live.state.record, self.chars_per_token)
-        return settle_usage(reported, prompt=prompt, completion=live.delta_tokens)
+        prompt = live.prompt_tokens
+        if prompt is None:
+            prompt = estimate_prompt_tokens(live.state.record, self.chars_per_token)
+        return settle_usage(
+            reported, prompt=prompt, completion=live.delta_tokens, prompt_exact=live.prompt_exact
+        )
 
     async def _finish(self, live: _LiveRun, outcome: _Outcome) -> None:
         """Make the run's terminal event from ``outcome``, with its usage if it started

@@ -161,6 +161,7 @@ class Node:
             self._adapters[name] = slot.adapter
             if slot.auto is not None:
                 adapter_pool = self.gate.adapter_pool(name)
+                adapter_pool.counts_tokens = True  # its capacity is learned in tokens too
                 self.auto[adapter_pool.name] = (slot.auto, adapter_pool)
         self.targets: dict[str, TargetSpec] = {}
         for target in targets:
@@ -180,10 +181,9 @@ class Node:
                 token_budget=target.token_budget,
             )
             if target.auto is not None:
-                self.auto[f"target:{target.name}"] = (
-                    target.auto,
-                    self.gate.target_pool(target.name),
-                )
+                pool = self.gate.target_pool(target.name)
+                pool.counts_tokens = True  # its capacity is learned in tokens too
+                self.auto[pool.name] = (target.auto, pool)
             self.targets[target.name] = self._bounded(target)
         self._manager: RunManager | None = None
         self.started = trio.Event()
@@ -288,6 +288,7 @@ class Node:
                     store_grace=self.runtime.store_grace,
                     listeners=self.event_listeners,
                     engine_answered=self._run_answered,
+                    run_ended=self.run_ended if self.auto else None,
                     chars_per_token=self.runtime.chars_per_token,
                 )
                 for name, (auto, pool) in self.auto.items():

@@ -44,13 +44,14 @@ head-of-line blocking); FIFO within a tenant and priority always holds.
 
 **Small runs do not starve a large one.** A run that waits because it does not fit a
 pool's *token budget* may be passed by runs that do, for ``hold_after`` seconds. After
-that it *holds* each pool whose tokens it lacks: no run ranked after it (lower
-priority, or the same priority and younger) takes tokens from a held pool until it
-starts. Tokens in a held pool then only come free, so it starts as soon as the runs
-holding them end (its cost fits the budget alone, or it would have been refused
-``too_large``). Holds rank as runs do, so two holders never block each other: the one
-ranked first is blocked by no hold. A run of higher priority may still pass a holder,
-as strict priority always may.
+that it *holds* room: in every pool with a budget that it takes from, its cost is kept
+free for it, so a run ranked after it (lower priority, or the same priority and
+younger) fits that pool only in the tokens left beyond what the holders ranked before
+it keep. The tokens it lacks then only come free, so it starts as soon as enough of the
+runs that hold them end (its cost fits each budget on its own, or it would have been
+refused ``too_large``). Holders rank as runs do: the one ranked first keeps room from
+everyone after it and is kept from by no one, so holders cannot block each other for
+ever. A run of higher priority may still pass a holder, as strict priority always may.
 
 **Cost.** A grant looks at each target with waiters, in each at its priority levels
 and, in a level, at most :data:`BACKFILL` tenants' heads: O(targets x priorities x
@@ -128,15 +129,17 @@ class Refusal:
 class Pool:
     """One level runs take from: runs at once (``limit``) and tokens reserved at once
     (``budget``); ``math.inf`` bounds nothing. A limit lowered under what is held lets
-    the holders finish. ``hold``: the run that holds this pool's tokens (module
-    docstring), if any."""
+    the holders finish. ``holders``: the waiting runs that keep room here (module
+    docstring), by rank."""
 
     name: str
     limit: float = INF
     budget: float = INF
     running: int = 0
     reserved: int = 0
-    hold: Ticket | None = None
+    holders: list[Ticket] = attrs.field(factory=list)
+    #: its runs' tokens are counted even with no budget (one is being learned)
+    counts_tokens: bool = False
 
     def __repr__(self) -> str:
         return (
@@ -150,6 +153,10 @@ class Pool:
 
     def fits_tokens(self, cost: int) -> bool:
         return self.reserved + cost <= self.budget
+
+    def kept_from(self, ticket: Ticket) -> int:
+        """The tokens the holders ranked before ``ticket`` keep free for themselves."""
+        return sum(h.cost for h in self.holders if h is not ticket and h.rank < ticket.rank)
 
 
 @attrs.define(eq=False)
@@ -224,8 +231,8 @@ class Ticket:
     enqueued: float = 0.0  # when it began to wait
     deadline: float = INF
     state: TicketState = TicketState.NEW
-    #: the pools it holds (module docstring: small runs do not starve a large one)
-    holding: list[Pool] | None = None
+    #: it keeps room in its pools (module docstring: small runs do not starve a large one)
+    holding: bool = False
     #: each pool's (runs, reserved tokens) once it was granted, itself included
     at_grant: tuple[tuple[int, int], ...] = ()
 
@@ -588,6 +595,18 @@ class Scheduler:
         self._note_tokens()
         return self.dispatch(now)
 
+    def counts_tokens(self, target: str, tenant: str) -> bool:
+        """Whether a run of ``tenant`` on ``target`` must say what it reserves: a pool it
+        takes from has a token budget (or learns one), or its tenant a token rate."""
+        lane = self.lane(target)
+        pools = [lane.target, lane.adapter, lane.node]
+        known = self.tenants.get(tenant)
+        if known is not None:
+            if known.bucket is not None:
+                return True
+            pools.append(known.pool)
+        return any(p.budget < INF or p.counts_tokens for p in pools)
+
     def waiting_for(self, pool: Pool) -> int:
         """Runs waiting whose target takes from ``pool`` (for the node's: all)."""
         return sum(
@@ -722,19 +741,19 @@ class Scheduler:
 
     def _fits_now(self, ticket: Ticket, now: float) -> bool:
         lane = ticket.lane
-        if not (ticket.tenant.ready(ticket.cost, now) and lane.has_room):
-            return False
-        if not all(pool.fits_tokens(ticket.cost) for pool in ticket.pools[1:]):
-            return False
-        # a run waiting past its bound holds the tokens it lacks: nothing ranked after it
-        # takes them (nor does a newcomer, ranked after everyone waiting)
-        return not self._held_against(ticket)
+        return ticket.tenant.ready(ticket.cost, now) and lane.has_room and self._fits(ticket)
 
-    def _held_against(self, ticket: Ticket) -> bool:
-        return any(
-            pool.hold is not None and pool.hold is not ticket and pool.hold.rank < ticket.rank
-            for pool in ticket.pools
-        )
+    def _fits(self, ticket: Ticket) -> bool:
+        """Whether ``ticket``'s cost fits its target's, adapter's and node's budgets, in
+        what the holders ranked before it leave (a newcomer ranks after every waiter)."""
+        cost = ticket.cost
+        for pool in ticket.pools[1:]:
+            if pool.budget == INF:
+                continue
+            kept = pool.kept_from(ticket) if pool.holders else 0
+            if pool.reserved + kept + cost > pool.budget:
+                return False
+        return True
 
     def _refusal(self, ticket: Ticket, now: float) -> Refusal | None:
         """Why a run that cannot start now is refused at once, or None: it may wait."""
@@ -838,15 +857,17 @@ class Scheduler:
         self._forget_if_idle(ticket.tenant)
         return self.dispatch(now)
 
-    def withdraw(self, key: object) -> Ticket | None:
-        """Take ``key``'s waiting run out of the queue (WITHDRAWN); None if none waits."""
+    def withdraw(self, key: object, now: float) -> tuple[Ticket | None, list[Ticket]]:
+        """Take ``key``'s waiting run out of the queue (WITHDRAWN; None if none waits),
+        and the runs that lets start (the one behind it in its tenant's flow may fit
+        where it did not, and the room it kept as a holder is free)."""
         ticket = self._waiting.get(key)
         if ticket is None:
-            return None
+            return None, []
         self._dequeue(ticket)
         ticket.move(TicketState.WITHDRAWN)
         self._forget_if_idle(ticket.tenant)
-        return ticket
+        return ticket, self.dispatch(now) if self.tokens_in_use else []
 
     def waiting(self, key: object) -> Ticket | None:
         return self._waiting.get(key)
@@ -902,15 +923,15 @@ class Scheduler:
                     head = next(iter(flow))
                     if tenant.bucket is not None and not tenant.rate_ready(head.cost, now):
                         when = min(when, now + tenant.bucket.wait_for(head.cost, now))
-                    if not head.holding and any(not p.fits_tokens(head.cost) for p in head.pools):
+                    if not head.holding and not self._fits(head):
                         when = min(when, max(now, head.enqueued + self.hold_after))
         return when
 
     def dispatch(self, now: float) -> list[Ticket]:
         """Grant the best run that may start, until none may: of each target with room,
         its candidates in order (:meth:`Lane.candidates`), the first that fits its pools
-        and is not held back by a hold; across targets the best by rank. Runs that lack
-        tokens past ``hold_after`` take their holds first."""
+        in what holders leave; across targets the best by rank. Runs that lack tokens
+        past ``hold_after`` become holders first."""
         granted: list[Ticket] = []
         while self._busy and self.node.has_room:
             lanes = [lane for lane in self._busy if lane.has_room]
@@ -929,12 +950,10 @@ class Scheduler:
         return granted
 
     def _first_to_go(self, lane: Lane, now: float) -> Ticket | None:
-        """``lane``'s first candidate that fits its pools and no hold holds back."""
+        """``lane``'s first candidate that fits its pools, in what holders leave."""
         with closing(lane.candidates(now)) as candidates:
             for ticket in candidates:
-                if not self._held_against(ticket) and all(
-                    pool.fits_tokens(ticket.cost) for pool in ticket.pools[1:]
-                ):
+                if self._fits(ticket):
                     return ticket
         return None
 
@@ -945,26 +964,22 @@ class Scheduler:
                     self._maybe_hold(ticket, now)
 
     def _maybe_hold(self, ticket: Ticket, now: float) -> None:
-        """A run that has waited ``hold_after`` and lacks a pool's tokens holds that pool
-        (unless a run ranked before it holds it already)."""
-        if now - ticket.enqueued < self.hold_after:
+        """A run that has waited ``hold_after`` and does not fit its budgets keeps room
+        for itself in each pool with a budget that it takes from."""
+        if ticket.holding or now - ticket.enqueued < self.hold_after or self._fits(ticket):
             return
+        ticket.holding = True
         for pool in ticket.pools[1:]:
-            if not pool.fits_tokens(ticket.cost) and (
-                pool.hold is None or ticket.rank < pool.hold.rank
-            ):
-                if pool.hold is not None and pool.hold.holding is not None:
-                    pool.hold.holding.remove(pool)
-                pool.hold = ticket
-                if ticket.holding is None:
-                    ticket.holding = []
-                ticket.holding.append(pool)
+            if pool.budget != INF:
+                pool.holders.append(ticket)
+                pool.holders.sort(key=lambda h: h.rank)
 
     def _drop_holds(self, ticket: Ticket) -> None:
         if ticket.holding:
-            for pool in ticket.holding:
-                pool.hold = None
-        ticket.holding = None
+            ticket.holding = False
+            for pool in ticket.pools[1:]:
+                if ticket in pool.holders:
+                    pool.holders.remove(ticket)
 
     def _enqueue(self, ticket: Ticket, now: float) -> None:
         lane = ticket.lane
