@@ -35,8 +35,10 @@ Edge cases, in the order a request meets them:
   range: 400 naming the field (``param``, e.g. ``messages[0].content``); a target
   the caller may not use or a priority above its own: 403; a target no connected
   node serves: 404 (``model_not_found``), or 503 if its node is gone for now;
-- the run is refused by the gate (REJECTED ``queue_full`` or ``queue_timeout``):
-  429 with ``Retry-After`` (whole seconds, rounded up, from the run's own hint);
+- the run is refused by the gate (REJECTED ``queue_full``, ``queue_timeout``, or
+  ``rate_limited``: its tenant is over its token rate or tokens in flight): 429 with
+  ``Retry-After`` (whole seconds, rounded up, from the run's own hint); ``too_large``
+  (it reserves more tokens than a budget holds, so it could never start): 400;
   the node is draining, its store cannot write, or it was lost: 503 with
   ``Retry-After``. A streaming answer's headers wait for the engine's first
   words, so these come as statuses, not as events in a 200 stream, and so does an
@@ -128,6 +130,11 @@ FAILED_STATUS: dict[str, tuple[int, str]] = {
     "run_timeout": (504, "server_error"),
     "engine_busy": (429, "rate_limit_error"),
     "engine_unavailable": (503, "server_error"),
+}
+#: A REJECTED run's reason -> (HTTP status, OpenAI error type), where it is not the 429 of
+#: a full or slow queue: a run over a token budget on its own could never start.
+REJECTED_STATUS: dict[str, tuple[int, str]] = {
+    "too_large": (400, "invalid_request_error"),
 }
 
 
@@ -383,6 +390,8 @@ def terminal_error(event: RunEvent) -> DoorError:
     status, kind = TERMINAL_STATUS[event.kind]
     if event.kind is EventKind.FAILED:
         status, kind = FAILED_STATUS.get(event.reason, (status, kind))
+    elif event.kind is EventKind.REJECTED:
+        status, kind = REJECTED_STATUS.get(event.reason, (status, kind))
     retry_after = event.retry_after
     if event.kind is EventKind.INTERRUPTED and retry_after is None:
         retry_after = NODE_RETRY_AFTER
