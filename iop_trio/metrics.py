@@ -52,6 +52,7 @@ gate without locks, so do not call it from another thread.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -238,6 +239,31 @@ METRICS: tuple[MetricInfo, ...] = (
         ("level", "name"),
         "Permits held now per level (global/adapter/target/tenant): runs holding one.",
     ),
+    MetricInfo(
+        "iop_gate_token_budget",
+        "gauge",
+        ("level", "name"),
+        "Tokens the runs may reserve at once per level (configured or learned); levels "
+        "with no budget are left out.",
+    ),
+    MetricInfo(
+        "iop_gate_tokens_reserved",
+        "gauge",
+        ("level", "name"),
+        "Tokens reserved now per level (prompt + most output of the runs holding a permit).",
+    ),
+    MetricInfo(
+        "iop_gate_limit_adjustments_total",
+        "counter",
+        ("pool", "reason"),
+        "Moves of a learned concurrency (concurrency: auto), by pool and why.",
+    ),
+    MetricInfo(
+        "iop_gate_learned_signal",
+        "gauge",
+        ("pool", "signal"),
+        "1 for the signal a learned concurrency uses: engine (its metrics) or latency.",
+    ),
     MetricInfo("iop_gate_queue_length", "gauge", (), "Runs waiting in the gate, all targets."),
     MetricInfo(
         "iop_gate_queue_max",
@@ -348,7 +374,20 @@ class _GateCollector:
         self.link: Any = None  # a NodeLink, once the node has one (NodeMetrics.watch_link)
 
     def describe(self) -> Iterable[Metric]:
-        return [*self._families().values(), *self._link_families()]
+        return [*self._families().values(), *self._link_families(), self._adjustments()]
+
+    def _adjustments(self) -> CounterMetricFamily:
+        """The moves of each learned concurrency, by why (counted by its learner)."""
+        family = CounterMetricFamily(
+            "iop_gate_limit_adjustments",
+            _help("iop_gate_limit_adjustments_total"),
+            labels=["pool", "reason"],
+        )
+        for pool, learner in self._node.learners.items():
+            if learner.learned is not None:
+                for reason, count in learner.learned.moves.items():
+                    family.add_metric([pool, reason], count)
+        return family
 
     def _link_families(self) -> list[Metric]:
         if self.link is None:
@@ -408,6 +447,15 @@ class _GateCollector:
             for name, tokens in by_name.items():
                 g["iop_gate_permits_limit"].add_metric([level, name], float(tokens.limit))
                 g["iop_gate_permits_in_use"].add_metric([level, name], tokens.borrowed)
+                if tokens.budget != math.inf or tokens.reserved:
+                    g["iop_gate_token_budget"].add_metric([level, name], float(tokens.budget))
+                    g["iop_gate_tokens_reserved"].add_metric([level, name], tokens.reserved)
+        for pool, learner in node.learners.items():
+            learned = learner.learned
+            if learned is None:
+                continue
+            g["iop_gate_learned_signal"].add_metric([pool, learned.signal], 1)
+
         g["iop_gate_queue_length"].add_metric([], stats.queued)
         g["iop_gate_queue_max"].add_metric([], stats.max_queued)
         g["iop_gate_queue_timeout_seconds"].add_metric([], stats.queue_timeout)
@@ -423,7 +471,7 @@ class _GateCollector:
         g["iop_store_writable"].add_metric([], int(node.store.health().writable))
         for target in node.targets:
             g["iop_target_available"].add_metric([target], int(target not in node.unavailable))
-        return [*g.values(), *self._link_families()]
+        return [*g.values(), *self._link_families(), self._adjustments()]
 
     @staticmethod
     def _families() -> dict[str, GaugeMetricFamily]:
@@ -759,6 +807,15 @@ class NodeMetrics:
                 "ok": why is None,
                 "state": "available" if why is None else f"unavailable: {why}",
             }
+        for pool, learner in self.node.learners.items():
+            learned = learner.learned
+            said = "asking the engine" if learned is None else f"learned from {learned.signal}"
+            if learned is not None:
+                budget = "-" if learned.budget == math.inf else f"{learned.budget:.0f}"
+                said += f": {learned.limit} runs, {budget} tokens"
+                if learned.last is not None:
+                    said += f" (last: {learned.last.reason})"
+            components[f"capacity:{pool}"] = {"ok": True, "state": said}
         link = self._collector.link
         if link is not None:
             up = link.session is not None
