@@ -60,7 +60,8 @@ class CheckedScheduler(Scheduler):
                 for h in pool.holders
                 if h is not ticket and h.rank < ticket.rank and h.state is TicketState.WAITING
             )
-            assert pool.reserved + kept + ticket.cost <= pool.budget, (ticket, pool)
+            alone = pool.reserved == 0 and kept == 0 and ticket.cost <= pool.static_budget
+            assert pool.reserved + kept + ticket.cost <= pool.budget or alone, (ticket, pool)
         super()._grant(ticket, now, queued=queued)
 
 
@@ -85,6 +86,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.waiting: list[Ticket] = []
         self.used: dict[str, int] = {t: 0 for t in TENANTS}  # settled usage, by tenant
         self.over: dict[str, list[Ticket]] = {}
+        self.lowered: dict[int, list[Ticket]] = {}
         self.keys = 0
 
     def _took(self, granted: list[Ticket]) -> None:
@@ -111,7 +113,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             cost=cost,
             queue_timeout=queue_timeout,
         )
-        over = [p for p in ticket.pools if cost > p.budget]
+        over = [p for p in ticket.pools if cost > p.static_budget]
         before = list(self.granted)
         refusal = self.s.admit(ticket, self.now)
         if over:
@@ -165,6 +167,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.over[where] = [t for t in self.granted if t.lane.name == where]
         self._took(self.s.set_target_limit(where, limit, self.now))
 
+    @rule(
+        which=st.sampled_from(["adapter x", "target y/c", "node"]),
+        budget=st.sampled_from([10, 30, 60, 1000, math.inf]),
+    )
+    def learn_budget(self, which: str, budget: float) -> None:
+        kind, _, name = which.partition(" ")
+        pool = (
+            self.s.node
+            if kind == "node"
+            else self.s.adapters[name]
+            if kind == "adapter"
+            else self.s.lanes[name].target
+        )
+        # runs holding tokens when a budget is lowered may stay over it until they end
+        self.lowered[id(pool)] = [t for t in self.granted if pool in t.pools]
+        self._took(self.s.set_pool_budget(pool, budget, self.now))
+        assert pool.budget == min(budget, pool.static_budget)
+
     # --- invariants ----------------------------------------------------------------------
 
     @invariant()
@@ -181,7 +201,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             held = pools.get(id(pool), (pool, []))[1]
             assert pool.running == len(held), pool
             assert pool.reserved == sum(t.cost for t in held), pool
-            assert pool.reserved <= pool.budget, pool
+            assert pool.reserved <= pool.static_budget, pool
+            # a learned budget bounds what runs share: one run alone may be over it
+            kept = [t for t in self.lowered.get(id(pool), ()) if t.granted]
+            alone = sum(1 for t in held if t.cost) <= 1
+            assert pool.reserved <= pool.budget or alone or kept, pool
         for lane in self.s.lanes.values():
             kept = sum(1 for t in self.over.get(lane.name, ()) if t.granted)
             assert lane.target.running <= max(lane.target.limit, kept), lane
@@ -206,7 +230,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 and all(p.fits_tokens(ticket.cost) for p in ticket.pools)
             )
             kept = any(
-                p.reserved + p.kept_from(ticket) + ticket.cost > p.budget for p in ticket.pools[1:]
+                not p.fits_tokens(ticket.cost, p.kept_from(ticket)) for p in ticket.pools[1:]
             )
             assert not fits or kept, ticket
 
@@ -334,10 +358,14 @@ def test_a_learned_capacity_stays_in_its_bounds_whatever_it_is_told(signal):
                 signals, now, running=running, reserved=reserved, queued=rng.randint(0, 5)
             )
         else:
-            sample = RunSample(
-                rng.uniform(0.01, 5), rng.choice([None, rng.uniform(0.005, 0.1)]), running, reserved
-            )
-            learned.on_run(sample, now, running=running, queued=rng.randint(0, 5))
+            sample = RunSample(rng.uniform(0.01, 5), running, reserved)
+            what = rng.choice(["first", "end", "waiting"])
+            if what == "first":
+                learned.on_first_token(sample, now, running=running, queued=rng.randint(0, 5))
+            elif what == "end":
+                learned.on_run_end(rng.choice([None, rng.uniform(0.005, 0.1)]))
+            else:
+                learned.on_waiting(rng.uniform(0, 30), sample)
         assert auto.minimum <= learned.limit <= auto.maximum
         assert learned.budget == math.inf or (learned.budget >= 1 and learned.budget % 1 == 0)
     assert sum(learned.moves.values()) > 0

@@ -140,6 +140,11 @@ class Pool:
     holders: list[Ticket] = attrs.field(factory=list)
     #: its runs' tokens are counted even with no budget (one is being learned)
     counts_tokens: bool = False
+    #: the budget configured (``budget`` is the one in force: a learned one may be lower)
+    static_budget: float = INF
+
+    def __attrs_post_init__(self) -> None:
+        self.static_budget = self.budget
 
     def __repr__(self) -> str:
         return (
@@ -151,8 +156,12 @@ class Pool:
     def has_room(self) -> bool:
         return self.running < self.limit
 
-    def fits_tokens(self, cost: int) -> bool:
-        return self.reserved + cost <= self.budget
+    def fits_tokens(self, cost: int, kept: int = 0) -> bool:
+        """Whether ``cost`` more tokens fit, beside ``kept`` that holders keep free. Over
+        a *learned* budget (lower than the configured one) a run fits a pool that holds
+        nothing: a learned budget bounds what runs share, it never shuts one out."""
+        taken = self.reserved + kept
+        return taken + cost <= self.budget or (taken == 0 and cost <= self.static_budget)
 
     def kept_from(self, ticket: Ticket) -> int:
         """The tokens the holders ranked before ``ticket`` keep free for themselves."""
@@ -587,11 +596,12 @@ class Scheduler:
         return self.dispatch(now)
 
     def set_pool_budget(self, pool: Pool, budget: float, now: float) -> list[Ticket]:
-        """Set any pool's token budget (a learned one, say): an int >= 1 or ``math.inf``.
-        Lowered under what is reserved, the holders keep their tokens."""
-        pool.budget = (
-            budget if budget == INF else check_limit(f"{pool.name} token_budget", budget, 1)
-        )
+        """Set a learned token budget on a pool: an int >= 1 or ``math.inf``; the one in
+        force is the smaller of it and the configured one. Lowered under what is
+        reserved, the holders keep their tokens."""
+        if budget != INF:
+            budget = check_limit(f"{pool.name} token_budget", budget, 1)
+        pool.budget = min(budget, pool.static_budget)
         self._note_tokens()
         return self.dispatch(now)
 
@@ -625,6 +635,7 @@ class Scheduler:
         tenant.max_queued = limits.max_queued
         tenant.pool.limit = INF if limits.concurrency is None else limits.concurrency
         tenant.pool.budget = _budget("max_tokens_in_flight", limits.max_tokens_in_flight)
+        tenant.pool.static_budget = tenant.pool.budget
         rate = limits.tokens_per_minute
         if rate is None:
             tenant.bucket = None
@@ -724,7 +735,7 @@ class Scheduler:
     def _too_large(self, ticket: Ticket) -> Refusal | None:
         cost = ticket.cost
         for pool in ticket.pools:
-            if cost > pool.budget:
+            if cost > pool.static_budget:  # a learned budget never refuses: see _fits
                 what = (
                     f"tenant {ticket.tenant.name!r}'s max_tokens_in_flight"
                     if pool is ticket.tenant.pool
@@ -733,7 +744,7 @@ class Scheduler:
                 return Refusal(
                     RejectReason.TOO_LARGE,
                     f"the run reserves {cost} tokens (its prompt and the most output it may "
-                    f"make), more than {what} of {pool.budget:g}: it could never start; ask "
+                    f"make), more than {what} of {pool.static_budget:g}: it could never start; ask "
                     "for fewer output tokens (max_tokens) or send a shorter prompt",
                     None,
                 )
@@ -751,7 +762,7 @@ class Scheduler:
             if pool.budget == INF:
                 continue
             kept = pool.kept_from(ticket) if pool.holders else 0
-            if pool.reserved + kept + cost > pool.budget:
+            if not pool.fits_tokens(cost, kept):
                 return False
         return True
 
