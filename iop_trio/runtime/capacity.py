@@ -23,17 +23,19 @@ and ``vllm:kv_cache_usage_perc``, llama.cpp's ``llamacpp:requests_deferred`` and
 - the scrape failed or is older than :data:`STALE_AFTER` intervals: that is *saturated*,
   never free. Nothing more than runs now is let in (``stale``).
 
-**Latency** (``signal = "latency"``), for an engine that shows no signals: each run that
-succeeded gives its time to first token (TTFT) and time per output token (TPOT). Their
-ratio does not grow with the batch (a larger batch slows both alike) but jumps when a
-request waited inside the engine for others to end. So, as Gradient2 and Envoy's
-adaptive concurrency do with a latency, the ratio is smoothed and compared with a
-baseline, and:
+**Latency** (``signal = "latency"``), for an engine that shows no signals: each run's
+time to first token (TTFT), read in units of the recent time per output token (TPOT) of
+the runs that succeeded. That ratio does not grow with the batch (a larger batch slows
+both alike) but jumps when a request waited inside the engine for others to end. So, as
+Gradient2 and Envoy's adaptive concurrency do with a latency, the ratio is smoothed and
+compared with a baseline, at each first token (not at each run's end: a slow start would
+take runs' whole lengths to grow), and a run still without its first token past the
+tolerance says so while it waits (:meth:`LearnedCapacity.on_waiting`):
 
 - a run whose smoothed ratio is over :data:`TOLERANCE` times the baseline came in when
-  too much was in flight: the limit moves down by the gradient (baseline x tolerance /
-  ratio, at most halving) and below the runs in flight when it came, and the budget's
-  ceiling to what was reserved when it came (``latency_waited``);
+  too much was in flight: the limit moves down by a quarter, and below the runs in
+  flight when it came, and the budget's ceiling to nine tenths of what was reserved
+  when it came (``latency_waited``);
 - a run that did not wait shows what was safe: the budget may be :data:`HEADROOM` times
   the most tokens seen in flight safely (under the ceiling); while runs wait for room
   the budget grows by half again and the limit by the square root of itself, once a
@@ -64,7 +66,7 @@ from ..model import AutoConcurrency, EngineSignals
 #: Scrape intervals after which an engine's last signals are stale (saturated).
 STALE_AFTER = 3
 #: The share of what the engine's cache holds that the learned budget fills.
-FILL = 0.95
+FILL = 1.0
 #: The cache's share in use over which the limit does not grow.
 HIGH_USE = 0.9
 #: A run's smoothed TTFT/TPOT over this many times the baseline means it waited.
@@ -81,12 +83,11 @@ SMOOTHING = 0.3
 
 @attrs.frozen
 class RunSample:
-    """What one run that succeeded says of the engine: its time to first token and per
-    output token after it (None for a run of fewer than two tokens), and the runs and
-    tokens in flight in the pool when it was admitted (itself included)."""
+    """What one run says of the engine: its time to first token (or, for one that has
+    none yet, how long it has waited for it), and the runs and tokens in flight in the
+    pool when it was admitted (itself included)."""
 
     ttft: float
-    tpot: float | None
     in_flight: int
     reserved: int
 
@@ -127,6 +128,8 @@ class LearnedCapacity:
         self.safe = 0  # tokens: the most seen in flight with no run waiting (latency)
         self.baseline: float | None = None  # the lowest TTFT/TPOT (latency)
         self.smoothed: float | None = None
+        self.tpot: float | None = None  # the smoothed time per output token of runs
+        self._first: float | None = None  # the first TTFT seen, the scale until a TPOT
         self._rng = rng or random.Random()
         self._next_probe = now
         self.moves: collections.Counter[str] = collections.Counter()
@@ -200,11 +203,24 @@ class LearnedCapacity:
 
     # --- latency -------------------------------------------------------------------------
 
-    def on_run(self, sample: RunSample, now: float, *, running: int, queued: int) -> Move | None:
-        """A run that succeeded; ``running``/``queued``: the pool's now."""
-        if sample.tpot is None or sample.tpot <= 0:
+    def on_run_end(self, tpot: float | None) -> None:
+        """A run succeeded: its time per output token keeps the scale TTFTs are read in."""
+        if tpot is not None and tpot > 0:
+            self.tpot = (
+                tpot if self.tpot is None else (1 - SMOOTHING) * self.tpot + SMOOTHING * tpot
+            )
+
+    def on_first_token(
+        self, sample: RunSample, now: float, *, running: int, queued: int
+    ) -> Move | None:
+        """A run's first token came ``sample.ttft`` seconds after its request went out;
+        ``running``/``queued``: the pool's now. (Before any run ended, the first TTFT
+        seen is the scale.)"""
+        scale = self.tpot if self.tpot is not None else self._first or sample.ttft
+        self._first = self._first or sample.ttft
+        if scale <= 0:
             return None
-        ratio = sample.ttft / sample.tpot
+        ratio = sample.ttft / scale
         if sample.in_flight <= self.auto.minimum or self.baseline is None:
             # came alone: nothing it waited for was the node's doing; a fresh baseline
             self.baseline = ratio if self.baseline is None else min(self.baseline * 1.5, ratio)
@@ -215,12 +231,8 @@ class LearnedCapacity:
             ratio if self.smoothed is None else (1 - SMOOTHING) * self.smoothed + SMOOTHING * ratio
         )
         if ratio > TOLERANCE * baseline and self.smoothed > TOLERANCE * baseline:
-            gradient = max(0.5, TOLERANCE * baseline / self.smoothed)
-            if self.counts_tokens and sample.reserved:
-                self.ceiling = min(self.ceiling, sample.reserved * 0.9)
-            lower = min(self.limit * gradient, sample.in_flight - 1)
             self.smoothed = TOLERANCE * baseline  # one wait, one step down
-            return self._moved("latency_waited", lower, self.ceiling)
+            return self._waited(sample)
         self.safe = max(self.safe, sample.reserved)
         probe = bool(queued) and self._may_probe(now)
         if probe and self.ceiling != math.inf:
@@ -232,3 +244,21 @@ class LearnedCapacity:
         if probe and running >= self.limit:
             limit = self.limit + max(1.0, math.sqrt(self.limit))
         return self._moved("latency_room", limit, budget)
+
+    def on_waiting(self, age: float, sample: RunSample) -> Move | None:
+        """A run has had no first token for ``age`` seconds since its request went out:
+        past what a run that did not wait takes (:data:`TOLERANCE` x the baseline, in
+        times per output token), it waits inside the engine, and that is said now, not
+        when its first token comes. Its caller tells each run once."""
+        if self.tpot is None or self.baseline is None:
+            return None
+        if age <= TOLERANCE * max(self.baseline, 1.0) * self.tpot:
+            return None
+        return self._waited(sample)
+
+    def _waited(self, sample: RunSample) -> Move | None:
+        """``sample``'s run waited inside the engine: too much was in flight when it came."""
+        if self.counts_tokens and sample.reserved:
+            self.ceiling = min(self.ceiling, sample.reserved * 0.9)
+        lower = min(self.limit * 0.75, sample.in_flight - 1)
+        return self._moved("latency_waited", lower, self.ceiling)

@@ -6,7 +6,9 @@ the node starts it asks the engine for its signals once: an engine that exposes 
 (:meth:`~iop_trio.adapters.base.Adapter.engine_signals`) is read every
 :data:`SCRAPE_INTERVAL` seconds from then on (``engine``), bounded by the adapter's own
 timeout; one that exposes none is learned from the latency of the runs that succeed
-(``latency``), which the run manager reports (:meth:`CapacityLearner.run_ended`). An
+(``latency``), which the run manager reports (:meth:`CapacityLearner.first_token`,
+:meth:`CapacityLearner.run_ended`); the learner looks every interval for runs that wait
+for their first token too long (:meth:`~.capacity.LearnedCapacity.on_waiting`). An
 engine that cannot be asked at start is taken for one that exposes signals, and its
 failed scrapes count as saturated until it answers. Each move sets the pool's limit and
 token budget in the gate, is counted by reason and logged at debug level.
@@ -17,6 +19,8 @@ from __future__ import annotations
 import logging
 import math
 import random
+import weakref
+from collections.abc import Callable, Iterable
 
 import trio
 
@@ -54,6 +58,10 @@ class CapacityLearner:
         self._rng = rng or random.Random()
         self.learned: LearnedCapacity | None = None
         self.last_error = ""
+        #: the runs in flight with no first token yet, and when each request went out
+        #: (the run manager's; set by the node)
+        self.awaiting: Callable[[], Iterable[tuple[Permit, float]]] = lambda: ()
+        self._told: weakref.WeakSet[Permit] = weakref.WeakSet()  # runs said to wait
 
     def __repr__(self) -> str:
         return f"<CapacityLearner {self.name} {self.learned!r}>"
@@ -99,41 +107,65 @@ class CapacityLearner:
             return exc
 
     async def run(self) -> None:
-        """Until cancelled: decide the signal, then read the engine's, if that is it."""
+        """Until cancelled: decide the signal, then read the engine's (engine), or look
+        every interval for runs that wait for their first token too long (latency)."""
         first = await self._read()
         if first is None:
-            self._start("latency")
-            return
+            learned = self._start("latency")
+            while True:
+                await trio.sleep(SCRAPE_INTERVAL)
+                self._look_for_waiting(learned)
         learned = self._start("engine")
         signals: EngineSignals | AdapterError | None = first
         while True:
-            stats = self.gate.scheduler
             move = learned.on_engine(
                 # a failed read, or signals that went away: saturated, not free
                 signals if isinstance(signals, EngineSignals) else None,
                 trio.current_time(),
                 running=self.pool.running,
                 reserved=self.pool.reserved,
-                queued=stats.waiting_for(self.pool),
+                queued=self.gate.scheduler.waiting_for(self.pool),
             )
             self._apply(move)
             await trio.sleep(SCRAPE_INTERVAL)
             signals = await self._read()
 
-    def run_ended(self, permit: Permit, ttft: float, tpot: float | None) -> None:
-        """A run through this pool succeeded: its time to first token, and per output
-        token after it (None for fewer than two). Only ``latency`` learners use it."""
-        learned = self.learned
-        if learned is None or learned.signal != "latency":
-            return
+    def _sample(self, permit: Permit, ttft: float) -> RunSample | None:
         seen = permit.at_grant(self.pool)
-        if seen is None:
+        return None if seen is None else RunSample(ttft, in_flight=seen[0], reserved=seen[1])
+
+    def _look_for_waiting(self, learned: LearnedCapacity) -> None:
+        now = trio.current_time()
+        for permit, sent in self.awaiting():
+            if permit in self._told:
+                continue
+            sample = self._sample(permit, now - sent)
+            if sample is not None:
+                move = learned.on_waiting(now - sent, sample)
+                if move is not None:
+                    self._told.add(permit)
+                    self._apply(move)
+
+    def first_token(self, permit: Permit, ttft: float) -> None:
+        """A run through this pool had its first token ``ttft`` seconds after its request
+        went out (``latency`` learners use it)."""
+        learned = self.learned
+        if learned is None or learned.signal != "latency" or permit in self._told:
             return
-        sample = RunSample(ttft, tpot, in_flight=seen[0], reserved=seen[1])
-        move = learned.on_run(
-            sample,
-            trio.current_time(),
-            running=self.pool.running,
-            queued=self.gate.scheduler.waiting_for(self.pool),
-        )
-        self._apply(move)
+        sample = self._sample(permit, ttft)
+        if sample is not None:
+            self._apply(
+                learned.on_first_token(
+                    sample,
+                    trio.current_time(),
+                    running=self.pool.running,
+                    queued=self.gate.scheduler.waiting_for(self.pool),
+                )
+            )
+
+    def run_ended(self, permit: Permit, tpot: float | None) -> None:
+        """A run through this pool succeeded, ``tpot`` seconds per output token after its
+        first (None for fewer than two)."""
+        self._told.discard(permit)
+        if self.learned is not None and permit.at_grant(self.pool) is not None:
+            self.learned.on_run_end(tpot)

@@ -34,6 +34,7 @@ from collections.abc import (
     Callable,
     Collection,
     Hashable,
+    Iterator,
     Mapping,
     Sequence,
 )
@@ -137,6 +138,10 @@ class _LiveRun:
     # was the engine tokenizer's own count
     prompt_tokens: int | None = None
     prompt_exact: bool = False
+    # while admitted: its permit, when its engine request went out, its first token
+    permit: Permit | None = None
+    sent_at: float | None = None
+    first_at: float | None = None
     # STARTED, taken by the store and not yet published: published once durable, before
     # anything after it (see RunManager._start)
     held: tuple[RunEvent, trio.Event] | None = None
@@ -437,6 +442,8 @@ EngineAnswered = Callable[[str, float, AdapterError | None], None]
 #: Told, as a run that succeeded gives back its permit, that permit, the run's time to
 #: first token and per output token after it (None for fewer than two tokens).
 RunEnded = Callable[[Permit, float, float | None], None]
+#: Told, as a run's first token comes, its permit and the seconds since its request went out.
+FirstToken = Callable[[Permit, float], None]
 
 
 class RunManager:
@@ -458,6 +465,7 @@ class RunManager:
         engine_answered: EngineAnswered | None = None,
         chars_per_token: float = CHARS_PER_TOKEN,
         run_ended: RunEnded | None = None,
+        first_token: FirstToken | None = None,
     ) -> None:
         self._nursery = nursery
         self._gate = gate
@@ -488,11 +496,19 @@ class RunManager:
         # a prompt's tokens where the engine reports none (model.estimate_prompt_tokens)
         self.chars_per_token = chars_per_token
         self._run_ended = run_ended
+        self._first_token = first_token
         self._tokenizer_failed: set[str] = set()  # targets whose tokenizer failed once
 
     def __repr__(self) -> str:
         running = sum(1 for r in self._live.values() if r.state.status is RunStatus.RUNNING)
         return f"<RunManager live={len(self._live)} running={running} admitting={self._admitting}>"
+
+    def awaiting_first_token(self) -> Iterator[tuple[Permit, float]]:
+        """The runs whose engine request went out and whose first token has not come:
+        their permits, and when each request went out (trio time)."""
+        for live in self._live.values():
+            if live.sent_at is not None and live.first_at is None and live.permit is not None:
+                yield live.permit, live.sent_at
 
     # --- submitting ----------------------------------------------------------------------
 
@@ -776,6 +792,7 @@ class RunManager:
         its STARTED event is stored already (with QUEUED, see :meth:`_create`)."""
         run_id = live.state.record.run_id
         outcome: _Outcome | None = None
+        live.permit = permit
         try:
             with permit:
                 if not live.cancelling:  # a run cancelled as it was granted never starts
@@ -838,7 +855,7 @@ class RunManager:
         completed = False
         output = 0
         max_output = math.inf if target.max_output_bytes is None else target.max_output_bytes
-        sent = trio.current_time()
+        sent = live.sent_at = trio.current_time()
         first: float | None = None
         try:
             async with adapter.open_stream(request) as chunks, gathered(chunks) as batches:
@@ -870,7 +887,9 @@ class RunManager:
                             size += len(chunk.text)
                             tokens += chunk.tokens
                             if first is None:
-                                first = trio.current_time()
+                                first = live.first_at = trio.current_time()
+                                if self._first_token is not None and live.permit is not None:
+                                    self._first_token(live.permit, first - sent)
                         else:
                             usage = chunk.usage
                             completed = True

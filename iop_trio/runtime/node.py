@@ -208,7 +208,12 @@ class Node:
     def run_ended(self, permit: Permit, ttft: float, tpot: float | None) -> None:
         """A run succeeded: its latency feeds the learners of the pools it took from."""
         for learner in self.learners.values():
-            learner.run_ended(permit, ttft, tpot)
+            learner.run_ended(permit, tpot)
+
+    def first_token(self, permit: Permit, ttft: float) -> None:
+        """A run had its first token: its TTFT feeds the learners of its pools."""
+        for learner in self.learners.values():
+            learner.first_token(permit, ttft)
 
     def _bounded(self, target: TargetSpec) -> TargetSpec:
         """``target`` with the node's run bounds where it sets none of its own, and its
@@ -289,12 +294,14 @@ class Node:
                     listeners=self.event_listeners,
                     engine_answered=self._run_answered,
                     run_ended=self.run_ended if self.auto else None,
+                    first_token=self.first_token if self.auto else None,
                     chars_per_token=self.runtime.chars_per_token,
                 )
                 for name, (auto, pool) in self.auto.items():
                     learner = CapacityLearner(
                         name, auto, pool, self._adapter_of_pool(name), self.gate
                     )
+                    learner.awaiting = self._manager.awaiting_first_token
                     self.learners[name] = learner
                     nursery.start_soon(learner.run)
                 self.started.set()
