@@ -135,22 +135,28 @@ CONFIGS = [
     Config("static-16", target="{concurrency: 16}"),
     Config("static-32", target="{concurrency: 32}"),
     Config("static-64", target="{concurrency: 64}"),
-    # PENDING (issue 20): these name keys the node does not have yet, so today's node
-    # refuses them and they are skipped; make the fragments what the keys become.
-    Config("auto", target="{concurrency: auto}", note="learned from the engine's metrics"),
+    Config(
+        "auto",
+        target="{concurrency: auto, concurrency_max: 64, tokenizer: vllm}",
+        note="learned from the engine's metrics (vllm:num_requests_waiting, kv cache use)",
+    ),
     Config(
         "auto-latency",
-        target="{concurrency: auto}",
+        target="{concurrency: auto, concurrency_max: 64}",
         engine=("--metrics", "none"),
-        note="learned from TTFT and time per output token: the engine exposes no metrics",
+        note="learned from TTFT / time per output token: the engine exposes no metrics, "
+        "prompts estimated from their size",
     ),
     Config(
         "token-budget-4096",
-        target="{concurrency: 64, token_budget: 4096}",
+        target="{concurrency: 64, token_budget: 4096, tokenizer: vllm}",
         note="prompt tokens (the engine's /tokenize) + max_tokens reserved at admission",
     ),
 ]
 BY_NAME = {c.name: c for c in CONFIGS}
+#: --keep (a folder the configurations' logs and stores stay in) and --node-log
+KEEP: str | None = None
+NODE_LOG_LEVEL = "info"
 STATIC_DEFAULT = [c.name for c in CONFIGS if c.name.startswith("static-")]
 
 
@@ -209,6 +215,7 @@ def node_config(
         "adapters": {ADAPTER: adapter},
         "targets": [target],
         "metrics": {"listen": f"127.0.0.1:{metrics_port}"},
+        "logging": {"level": NODE_LOG_LEVEL},
     }
     path = folder / "node.yaml"
     path.write_text(yaml.safe_dump(document, sort_keys=False))
@@ -256,6 +263,9 @@ def stack(config: Config, engine_args: Sequence[str]) -> Iterator[Stack]:
     token = secrets.token_urlsafe(24)
     with tempfile.TemporaryDirectory(prefix="iop-capacity-") as tmp, processes() as start:
         folder = Path(tmp)
+        if KEEP is not None:  # --keep: the logs and the store stay for a look after
+            folder = Path(KEEP) / config.name
+            folder.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("IOP_")}
         edge_port, door_port, engine_port = free_port(), free_port(), free_port()
         path = node_config(
@@ -590,6 +600,8 @@ async def measure(config: Config, stack_: Stack, ns: argparse.Namespace) -> list
 
 
 def main(ns: argparse.Namespace) -> int:
+    global KEEP, NODE_LOG_LEVEL
+    KEEP, NODE_LOG_LEVEL = ns.keep, ns.node_log
     machine_facts(sys.stdout)
     for phase in PHASES[:2]:
         print(
@@ -665,6 +677,10 @@ if __name__ == "__main__":
         "--engine-args", type=shlex.split, default=[], help="more sim_engine.py options"
     )
     parser.add_argument("--rev", help="measure this git revision's iop_trio (see relay.py)")
+    parser.add_argument("--keep", metavar="DIR", help="keep each configuration's logs and store")
+    parser.add_argument(
+        "--node-log", default="info", help="the node's log level (default %(default)s)"
+    )
     ns = parser.parse_args()
     if ns.list:
         for c in CONFIGS:
