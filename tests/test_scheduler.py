@@ -358,14 +358,24 @@ def test_a_learned_capacity_stays_in_its_bounds_whatever_it_is_told(signal):
                 signals, now, running=running, reserved=reserved, queued=rng.randint(0, 5)
             )
         else:
-            sample = RunSample(rng.uniform(0.01, 5), running, reserved)
-            what = rng.choice(["first", "end", "waiting"])
+            cost = rng.randint(0, max(0, reserved))
+            granted = now - rng.uniform(0, 10)
+            sample = RunSample(rng.uniform(0.01, 5), running, reserved, cost, granted)
+            what = rng.choice(["first", "end", "waiting", "tick"])
             if what == "first":
-                learned.on_first_token(sample, now, running=running, queued=rng.randint(0, 5))
+                learned.on_first_token(sample, now)
             elif what == "end":
                 learned.on_run_end(rng.choice([None, rng.uniform(0.005, 0.1)]))
+            elif what == "waiting":
+                learned.on_waiting(rng.uniform(0, 30), sample, now)
             else:
-                learned.on_waiting(rng.uniform(0, 30), sample)
+                learned.on_tick(
+                    now,
+                    running=running,
+                    reserved=reserved,
+                    queued=rng.randint(0, 5),
+                    smallest=rng.choice([None, rng.randint(0, 2000)]),
+                )
         assert auto.minimum <= learned.limit <= auto.maximum
         assert learned.budget == math.inf or (learned.budget >= 1 and learned.budget % 1 == 0)
     assert sum(learned.moves.values()) > 0

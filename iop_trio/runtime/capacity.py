@@ -23,34 +23,44 @@ and ``vllm:kv_cache_usage_perc``, llama.cpp's ``llamacpp:requests_deferred`` and
 - the scrape failed or is older than :data:`STALE_AFTER` intervals: that is *saturated*,
   never free. Nothing more than runs now is let in (``stale``).
 
-**Latency** (``signal = "latency"``), for an engine that shows no signals: each run's
-time to first token (TTFT), read in units of the recent time per output token (TPOT) of
-the runs that succeeded. That ratio does not grow with the batch (a larger batch slows
-both alike) but jumps when a request waited inside the engine for others to end. So, as
-Gradient2 and Envoy's adaptive concurrency do with a latency, the ratio is smoothed and
-compared with a baseline, at each first token (not at each run's end: a slow start would
-take runs' whole lengths to grow), and a run still without its first token past the
-tolerance says so while it waits (:meth:`LearnedCapacity.on_waiting`):
+**Latency** (``signal = "latency"``), for an engine that shows no signals: a run waited
+inside the engine when its time to first token (TTFT) is over :data:`TOLERANCE` times
+the baseline, in units of the recent time per output token (TPOT) of the runs that
+succeeded. That ratio does not grow with the batch (a larger batch slows both alike) but
+jumps when a request waits for others to end. It is read at each first token, and for
+runs still without one, every interval while they wait
+(:meth:`LearnedCapacity.on_waiting`): a slow start is seen in a step, not in a run's
+length. What each run saw at its grant (the runs and tokens in flight, itself
+included) says what was safe and what was too much:
 
-- a run whose smoothed ratio is over :data:`TOLERANCE` times the baseline came in when
-  too much was in flight: the limit moves down by a quarter, and below the runs in
-  flight when it came, and the budget's ceiling to nine tenths of what was reserved
-  when it came (``latency_waited``);
-- a run that did not wait shows what was safe: the budget may be :data:`HEADROOM` times
-  the most tokens seen in flight safely (under the ceiling); while runs wait for room
-  the budget grows by half again and the limit by the square root of itself, once a
-  probe (``latency_room``).
+- a run that did not wait shows what was *safe*: the most runs and tokens seen in
+  flight with no wait are kept, and the budget may be :data:`HEADROOM` times those
+  tokens, under the ceiling (``latency_room``);
+- a run that waited came when too much was in flight. What explains it is lowered:
+  the tokens, if more were in flight than ever safely (the ceiling drops to what was
+  in flight before it, and what it came on is kept as the *queued-at* mark), the runs,
+  if more ran than ever safely (the limit drops below the runs it came on), or both,
+  if neither: the engine has shrunk, and what was safe is forgotten down to it
+  (``latency_waited``). A run granted before the last drop, with more in flight than
+  the new bounds, says nothing new and moves nothing;
+- every interval, runs waiting for a pool that is full grow what binds it
+  (:meth:`LearnedCapacity.on_tick`, ``latency_room``): the limit doubles until the
+  first wait, then grows by its square root; the budget takes one more waiting run
+  (the smallest), under the ceiling, and the ceiling rises by :data:`CEILING_RISE` a
+  probe, but not to the queued-at mark until :data:`FORGET_AFTER` seconds have passed
+  with no wait.
 
 Both start slow: the limit at ``minimum`` and the budget unbounded (the limit bounds
 what is in flight until the first signals say more).
 
 Known pitfalls, and what is done about each: cancelled, failed and rejected runs give
-no sample (their times say nothing of the engine's queue); the ratio is smoothed (an
-EWMA) before it is compared; the baseline is a minimum that only moves down, except that
-it is refreshed from runs that came when at most :attr:`~AutoConcurrency.minimum` runs
-were in flight, so sustained load cannot drag it up; increases wait at least
-:data:`PROBE_EVERY` seconds with jitter between them, so nodes sharing an engine do not
-probe in step, and so does the ceiling's slow rise (:data:`CEILING_RISE` a probe).
+no TPOT (their times say nothing of the engine's pace); the baseline is a minimum that
+only moves down, except that it is refreshed from runs that came when at most
+:attr:`~AutoConcurrency.minimum` runs were in flight, so sustained load cannot drag it
+up; a run is told to wait once; no increase comes within an interval of a drop, and
+the learner's interval has jitter, so nodes sharing an engine do not probe in step; a run over
+a learned budget on its own still starts in an empty pool (the scheduler's rule), so a
+low budget never shuts a large run out.
 """
 
 from __future__ import annotations
@@ -69,7 +79,7 @@ STALE_AFTER = 3
 FILL = 1.0
 #: The cache's share in use over which the limit does not grow.
 HIGH_USE = 0.9
-#: A run's smoothed TTFT/TPOT over this many times the baseline means it waited.
+#: A run's TTFT/TPOT over this many times the baseline means it waited.
 TOLERANCE = 4.0
 #: How much more than the most tokens seen in flight safely the budget lets in (latency).
 HEADROOM = 1.25
@@ -77,7 +87,9 @@ HEADROOM = 1.25
 PROBE_EVERY = 0.5
 #: What a ceiling rises by, a probe with no sign of waiting (1.02: 2 %).
 CEILING_RISE = 1.02
-#: The weight of a new sample in the smoothed ratio.
+#: Seconds with no wait after which a latency ceiling may rise past where runs queued.
+FORGET_AFTER = 30.0
+#: The weight of a new sample in the smoothed TPOT.
 SMOOTHING = 0.3
 
 
@@ -90,6 +102,9 @@ class RunSample:
     ttft: float
     in_flight: int
     reserved: int
+    #: the tokens it reserved itself, and when it was granted
+    cost: int = 0
+    granted_at: float = 0.0
 
 
 @attrs.frozen
@@ -125,11 +140,15 @@ class LearnedCapacity:
         self.limit = auto.minimum  # a slow start: it grows while runs wait for it
         self.budget = math.inf
         self.ceiling = math.inf  # tokens: the most known not to make the engine queue
-        self.safe = 0  # tokens: the most seen in flight with no run waiting (latency)
-        self.baseline: float | None = None  # the lowest TTFT/TPOT (latency)
-        self.smoothed: float | None = None
+        # latency: the most tokens and runs seen in flight with no run waiting
+        self.safe = 0
+        self.safe_runs = 0
+        self.queued_at = math.inf  # tokens in flight the lowest a run was seen to wait at
+        self.baseline: float | None = None  # the lowest TTFT/TPOT
         self.tpot: float | None = None  # the smoothed time per output token of runs
         self._first: float | None = None  # the first TTFT seen, the scale until a TPOT
+        self._waits = 0
+        self._dropped_at = -math.inf  # when a wait last lowered something
         self._rng = rng or random.Random()
         self._next_probe = now
         self.moves: collections.Counter[str] = collections.Counter()
@@ -210,12 +229,16 @@ class LearnedCapacity:
                 tpot if self.tpot is None else (1 - SMOOTHING) * self.tpot + SMOOTHING * tpot
             )
 
-    def on_first_token(
-        self, sample: RunSample, now: float, *, running: int, queued: int
-    ) -> Move | None:
-        """A run's first token came ``sample.ttft`` seconds after its request went out;
-        ``running``/``queued``: the pool's now. (Before any run ended, the first TTFT
-        seen is the scale.)"""
+    def waited_past(self) -> float | None:
+        """Seconds past which a run with no first token waits inside the engine (None
+        until a run has ended and one first token has been seen)."""
+        if self.tpot is None or self.baseline is None:
+            return None
+        return TOLERANCE * max(self.baseline, 1.0) * self.tpot
+
+    def on_first_token(self, sample: RunSample, now: float) -> Move | None:
+        """A run's first token came ``sample.ttft`` seconds after its request went out.
+        (Before any run ended, the first TTFT seen is the scale.)"""
         scale = self.tpot if self.tpot is not None else self._first or sample.ttft
         self._first = self._first or sample.ttft
         if scale <= 0:
@@ -226,39 +249,71 @@ class LearnedCapacity:
             self.baseline = ratio if self.baseline is None else min(self.baseline * 1.5, ratio)
         else:
             self.baseline = min(self.baseline, ratio)
-        baseline = max(self.baseline, 1.0)
-        self.smoothed = (
-            ratio if self.smoothed is None else (1 - SMOOTHING) * self.smoothed + SMOOTHING * ratio
-        )
-        if ratio > TOLERANCE * baseline and self.smoothed > TOLERANCE * baseline:
-            self.smoothed = TOLERANCE * baseline  # one wait, one step down
-            return self._waited(sample)
+        if ratio > TOLERANCE * max(self.baseline, 1.0):
+            return self._waited(sample, now)
         self.safe = max(self.safe, sample.reserved)
-        probe = bool(queued) and self._may_probe(now)
-        if probe and self.ceiling != math.inf:
-            self.ceiling *= CEILING_RISE
-        budget = max(self.budget if self.budget != math.inf else 0.0, self.safe * HEADROOM)
-        if probe:  # runs wait: try for more tokens, as for more runs
-            budget = max(budget, self.safe) * 1.5
+        self.safe_runs = max(self.safe_runs, sample.in_flight)
+        if not self.counts_tokens or not self.safe:
+            return None
+        budget = self.safe * HEADROOM
+        if self.budget != math.inf:
+            budget = max(self.budget, budget)
+        return self._moved("latency_room", self.limit, budget)
+
+    def on_waiting(self, age: float, sample: RunSample, now: float) -> Move | None:
+        """A run has had no first token for ``age`` seconds since its request went out:
+        past :meth:`waited_past`, it waits inside the engine, and that is said now, not
+        when its first token comes. Its caller tells each run once."""
+        past = self.waited_past()
+        if past is None or age <= past:
+            return None
+        return self._waited(sample, now)
+
+    def on_tick(
+        self, now: float, *, running: int, reserved: int, queued: int, smallest: int | None
+    ) -> Move | None:
+        """Every interval: the pool's runs and tokens in flight, the runs waiting for it,
+        and the fewest tokens one of those reserves (None: none waits). While runs wait
+        and the pool is full, what binds it grows (module docstring)."""
+        if not queued or now - self._dropped_at < self.interval:
+            return None
         limit: float = self.limit
-        if probe and running >= self.limit:
-            limit = self.limit + max(1.0, math.sqrt(self.limit))
+        if running >= self.limit:
+            limit = self.limit * 2 if not self._waits else self.limit + math.sqrt(self.limit)
+        budget = self.budget
+        if self.counts_tokens and smallest is not None and reserved + smallest > budget:
+            if self.ceiling != math.inf:
+                rise = self.ceiling * CEILING_RISE
+                if rise >= self.queued_at and now - self._dropped_at < FORGET_AFTER:
+                    rise = max(self.ceiling, self.queued_at - 1)
+                elif rise >= self.queued_at:
+                    self.queued_at = math.inf  # long quiet: the engine may have grown
+                self.ceiling = rise
+            budget = reserved + smallest
         return self._moved("latency_room", limit, budget)
 
-    def on_waiting(self, age: float, sample: RunSample) -> Move | None:
-        """A run has had no first token for ``age`` seconds since its request went out:
-        past what a run that did not wait takes (:data:`TOLERANCE` x the baseline, in
-        times per output token), it waits inside the engine, and that is said now, not
-        when its first token comes. Its caller tells each run once."""
-        if self.tpot is None or self.baseline is None:
-            return None
-        if age <= TOLERANCE * max(self.baseline, 1.0) * self.tpot:
-            return None
-        return self._waited(sample)
-
-    def _waited(self, sample: RunSample) -> Move | None:
-        """``sample``'s run waited inside the engine: too much was in flight when it came."""
-        if self.counts_tokens and sample.reserved:
-            self.ceiling = min(self.ceiling, sample.reserved * 0.9)
-        lower = min(self.limit * 0.75, sample.in_flight - 1)
-        return self._moved("latency_waited", lower, self.ceiling)
+    def _waited(self, sample: RunSample, now: float) -> Move | None:
+        """``sample``'s run waited inside the engine: lower what explains it."""
+        before = sample.reserved - sample.cost
+        tokens = self.counts_tokens and sample.cost > 0 and before > 0
+        if sample.granted_at < self._dropped_at and (
+            sample.in_flight > self.limit or (tokens and sample.reserved > self.ceiling)
+        ):
+            return None  # it came before the last drop, on more than is let in now
+        self._waits += 1
+        by_tokens = tokens and sample.reserved > self.safe
+        by_runs = sample.in_flight > self.safe_runs
+        if not by_tokens and not by_runs:  # the engine shrank: forget what was safe
+            self.safe = min(self.safe, max(0, before))
+            self.safe_runs = min(self.safe_runs, sample.in_flight - 1)
+            by_tokens, by_runs = tokens, True
+        limit: float = self.limit
+        if by_runs:
+            limit = min(self.limit, sample.in_flight - 1)
+        if by_tokens:
+            self.queued_at = min(self.queued_at, sample.reserved)
+            self.ceiling = min(self.ceiling, max(1.0, before))
+        move = self._moved("latency_waited", limit, min(self.budget, self.ceiling))
+        if move is not None:
+            self._dropped_at = now
+        return move

@@ -117,6 +117,11 @@ class Permit:
                 return seen
         return None
 
+    @property
+    def granted_at(self) -> float | None:
+        """When it was granted (trio time), None before."""
+        return self._ticket.granted_at
+
     def settle(self, used: int | None) -> None:
         """The tokens the run really used (None: unknown, its reservation stands)."""
         self.used = used

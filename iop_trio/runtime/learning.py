@@ -113,8 +113,17 @@ class CapacityLearner:
         if first is None:
             learned = self._start("latency")
             while True:
-                await trio.sleep(SCRAPE_INTERVAL)
+                await trio.sleep(SCRAPE_INTERVAL * (1 + 0.25 * self._rng.random()))
                 self._look_for_waiting(learned)
+                self._apply(
+                    learned.on_tick(
+                        trio.current_time(),
+                        running=self.pool.running,
+                        reserved=self.pool.reserved,
+                        queued=self.gate.scheduler.waiting_for(self.pool),
+                        smallest=self.gate.scheduler.smallest_waiting(self.pool),
+                    )
+                )
         learned = self._start("engine")
         signals: EngineSignals | AdapterError | None = first
         while True:
@@ -132,36 +141,40 @@ class CapacityLearner:
 
     def _sample(self, permit: Permit, ttft: float) -> RunSample | None:
         seen = permit.at_grant(self.pool)
-        return None if seen is None else RunSample(ttft, in_flight=seen[0], reserved=seen[1])
+        if seen is None:
+            return None
+        granted = permit.granted_at
+        return RunSample(
+            ttft,
+            in_flight=seen[0],
+            reserved=seen[1],
+            cost=permit.cost,
+            granted_at=0.0 if granted is None else granted,
+        )
 
     def _look_for_waiting(self, learned: LearnedCapacity) -> None:
         now = trio.current_time()
-        for permit, sent in self.awaiting():
-            if permit in self._told:
+        past = learned.waited_past()
+        if past is None:
+            return
+        for permit, sent in list(self.awaiting()):
+            if permit in self._told or now - sent <= past:
                 continue
             sample = self._sample(permit, now - sent)
             if sample is not None:
-                move = learned.on_waiting(now - sent, sample)
-                if move is not None:
-                    self._told.add(permit)
-                    self._apply(move)
+                self._told.add(permit)  # told once, whatever it moves
+                self._apply(learned.on_waiting(now - sent, sample, now))
 
     def first_token(self, permit: Permit, ttft: float) -> None:
         """A run through this pool had its first token ``ttft`` seconds after its request
-        went out (``latency`` learners use it)."""
+        went out (``latency`` learners use it; a run already told to wait is not told
+        again)."""
         learned = self.learned
         if learned is None or learned.signal != "latency" or permit in self._told:
             return
         sample = self._sample(permit, ttft)
         if sample is not None:
-            self._apply(
-                learned.on_first_token(
-                    sample,
-                    trio.current_time(),
-                    running=self.pool.running,
-                    queued=self.gate.scheduler.waiting_for(self.pool),
-                )
-            )
+            self._apply(learned.on_first_token(sample, trio.current_time()))
 
     def run_ended(self, permit: Permit, tpot: float | None) -> None:
         """A run through this pool succeeded, ``tpot`` seconds per output token after its

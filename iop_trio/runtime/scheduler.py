@@ -242,8 +242,9 @@ class Ticket:
     state: TicketState = TicketState.NEW
     #: it keeps room in its pools (module docstring: small runs do not starve a large one)
     holding: bool = False
-    #: each pool's (runs, reserved tokens) once it was granted, itself included
+    #: each pool's (runs, reserved tokens) once it was granted, itself included, and when
     at_grant: tuple[tuple[int, int], ...] = ()
+    granted_at: float | None = None
 
     def __repr__(self) -> str:
         return (
@@ -623,6 +624,19 @@ class Scheduler:
             lane.waiting for lane in self._busy if pool in (lane.target, lane.adapter, lane.node)
         )
 
+    def smallest_waiting(self, pool: Pool) -> int | None:
+        """The fewest tokens that a run waiting at the head of its flow (one that could go
+        next) and taking from ``pool`` reserves; None if none waits."""
+        costs = [
+            next(iter(flow)).cost
+            for lane in self._busy
+            if pool in (lane.target, lane.adapter, lane.node)
+            for level in lane.levels.values()
+            for flow in level.flows.values()
+            if flow
+        ]
+        return min(costs, default=None)
+
     def set_tenant(self, name: str, limits: TenantLimits, now: float) -> list[Ticket]:
         """Set a tenant's weight and bounds (all of them; a tenant never set has weight 1
         and no bounds). A lower bound cancels nobody; a new weight counts from the next
@@ -832,6 +846,7 @@ class Scheduler:
             pool.running += 1
             pool.reserved += ticket.cost
         ticket.at_grant = tuple((p.running, p.reserved) for p in ticket.pools)
+        ticket.granted_at = now
         bucket = ticket.tenant.bucket
         if bucket is not None:
             bucket.level(now)
