@@ -235,6 +235,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert not fits or kept, ticket
 
     @invariant()
+    def the_next_wakeup_is_after_now(self) -> None:
+        """The gate's expiry task sleeps until :meth:`wakeup`: a time at or before now
+        would make it spin (it did, when a head past its hold bound had no room)."""
+        assert self.s.wakeup(self.now) > self.now
+
+    @invariant()
     def a_starving_run_keeps_room(self) -> None:
         """A waiting head, ready but for tokens it lacks, that has waited hold_after keeps
         room in its pools; holders are only such runs."""

@@ -935,7 +935,9 @@ class Scheduler:
     def wakeup(self, now: float) -> float:
         """When :meth:`advance` next has something to do: the earliest queue deadline, or
         when a tenant's token rate lets its waiting head start, or when a waiting run
-        reaches its hold bound (``math.inf``: nothing)."""
+        reaches its hold bound (``math.inf``: nothing). Always after ``now``: a head past
+        its bound that is not yet a holder waits for room (a release), which dispatches
+        and places holds; waking for it at ``now`` would only spin."""
         when = INF
         while self._deadlines and self._deadlines[0][2].state is not TicketState.WAITING:
             heapq.heappop(self._deadlines)
@@ -948,9 +950,11 @@ class Scheduler:
                 for tenant, flow in level.flows.items():
                     head = next(iter(flow))
                     if tenant.bucket is not None and not tenant.rate_ready(head.cost, now):
-                        when = min(when, now + tenant.bucket.wait_for(head.cost, now))
-                    if not head.holding and not self._fits(head):
-                        when = min(when, max(now, head.enqueued + self.hold_after))
+                        wait = tenant.bucket.wait_for(head.cost, now)
+                        when = min(when, now + max(wait, 1e-6))  # past now, even in floats
+                    bound = head.enqueued + self.hold_after
+                    if not head.holding and bound > now and not self._fits(head):
+                        when = min(when, bound)
         return when
 
     def dispatch(self, now: float) -> list[Ticket]:
