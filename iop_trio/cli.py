@@ -39,6 +39,7 @@ import attrs
 import trio
 
 from . import __version__
+from .adapters import AdapterError
 from .config import ConfigError, NodeConfig, is_loopback, load_config, split_listen
 from .lifecycle import RunState
 from .logs import escape_controls, setup_logging
@@ -1260,9 +1261,11 @@ def check_config(config: NodeConfig, out: TextIO, *, probe: bool = False) -> int
     )
     for name, adapter in node.adapters.items():
         bound = limits.adapters[name]
-        out.write(f"  adapter {name} ({adapter.kind}) limit={'-' if bound is None else bound}\n")
+        limit = _learned(node, f"adapter:{name}") or ("-" if bound is None else str(bound))
+        out.write(f"  adapter {name} ({adapter.kind}) limit={limit}\n")
     for name in node.targets:
-        out.write(f"  target {name} limit={limits.targets[name]}\n")
+        limit = _learned(node, f"target:{name}") or str(limits.targets[name])
+        out.write(f"  target {name} limit={limit}\n")
     for warning in config_warnings(config, limits):
         out.write(f"  warning: {warning}\n")
     if probe:
@@ -1278,6 +1281,7 @@ async def probe_reach(config: NodeConfig, node: Node, out: TextIO) -> bool:
     reached = True
     try:
         unavailable = await node.probe_engines()
+        await probe_signals(node, out)
     finally:
         for adapter in node.adapters.values():
             await adapter.aclose()
@@ -1305,6 +1309,39 @@ async def probe_reach(config: NodeConfig, node: Node, out: TextIO) -> bool:
             reached = False
             out.write(f"  probe edge: UNREACHABLE: {failure}\n")
     return reached
+
+
+def _learned(node: Node, pool: str) -> str | None:
+    """``auto MIN..MAX`` and the signal the pool will learn from; None if it is static."""
+    if pool not in node.auto:
+        return None
+    auto, _ = node.auto[pool]
+    url = node.adapter_of_pool(pool).signals_url
+    signal = "latency" if url is None else f"engine metrics at {url}, else latency"
+    return f"auto {auto.minimum}..{auto.maximum} (signal: {signal})"
+
+
+async def probe_signals(node: Node, out: TextIO) -> None:
+    """For each ``concurrency: auto`` pool, read its engine's metrics once, as the
+    learner does when the node starts, and say which signal it will learn from."""
+    for pool in node.auto:
+        adapter = node.adapter_of_pool(pool)
+        try:
+            signals = await adapter.engine_signals(trio.current_time())
+        except AdapterError as exc:
+            said = (
+                f"engine (its metrics cannot be read now: {exc.message}; "
+                "counted as saturated until they can)"
+            )
+        else:
+            if signals is None:
+                said = "latency (the engine exposes no signals of its load)"
+            else:
+                said = f"engine ({signals.waiting:g} waiting"
+                if signals.kv_usage is not None:
+                    said += f", KV cache {signals.kv_usage:.0%} used"
+                said += ")"
+        out.write(f"  probe {pool.replace(':', ' ')} learns from {said}\n")
 
 
 def config_warnings(config: NodeConfig, limits: Limits) -> list[str]:

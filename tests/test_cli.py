@@ -856,3 +856,67 @@ def test_runs_show_says_what_is_estimated_and_an_offline_cancel_settles_a_runnin
     }
     assert [e.get("tokens") for e in shown["events"]] == [None, None, 2, None]
     assert shown["events"][-1]["usage"] == shown["usage"]
+
+
+async def test_check_config_says_which_signal_each_auto_pool_learns_from(tmp_path):
+    from .engines import JSON, Reply, refused_port, serve
+
+    listed = b'{"object": "list", "data": [{"id": "qwen"}]}'
+    metrics = (
+        b"# TYPE vllm:num_requests_waiting gauge\n"
+        b'vllm:num_requests_waiting{model_name="qwen"} 3\n'
+        b"# TYPE vllm:kv_cache_usage_perc gauge\n"
+        b'vllm:kv_cache_usage_perc{model_name="qwen"} 0.5\n'
+    )
+
+    def vllm(exchange):
+        body = metrics if exchange.path.endswith("/metrics") else listed
+        return Reply(content_type=JSON, parts=[body], content_length=True)
+
+    def bare(exchange):
+        if exchange.path.endswith("/metrics"):
+            return Reply(404, parts=[b"{}"], content_length=True)
+        return Reply(content_type=JSON, parts=[listed], content_length=True)
+
+    async with serve() as with_metrics, serve() as without:
+        with_metrics.handler, without.handler = vllm, bare
+        with refused_port() as dead:
+            adapters = (
+                f"{{vllm: {{kind: openai, base_url: '{with_metrics.url}', concurrency: auto}}, "
+                f"cpp: {{kind: openai, base_url: '{without.url}'}}, "
+                f"gone: {{kind: openai, base_url: 'http://127.0.0.1:{dead}'}}, "
+                "echo: {kind: echo}}"
+            )
+            targets = (
+                "[{adapter: vllm, model: qwen}, "
+                "{adapter: cpp, model: qwen, concurrency: auto, concurrency_max: 12}, "
+                "{adapter: gone, model: qwen, concurrency: auto}, "
+                "{adapter: echo, model: m, concurrency: auto, concurrency_min: 2}]"
+            )
+            config = write_config(tmp_path)
+            text = config.read_text().replace(
+                "adapters: {echo: {kind: echo, delay: 0.01}}\n", f"adapters: {adapters}\n"
+            )
+            text = text.replace(
+                "targets:\n  - {adapter: echo, model: m, concurrency: 2}\n",
+                f"targets: {targets}\n",
+            )
+            config.write_text(text)
+            plain = await cli("check-config", "--config", str(config))
+            probed = await cli("check-config", "--config", str(config), "--probe")
+    out = plain.stdout.decode()
+    assert plain.returncode == 0, (out, plain.stderr)
+    root = with_metrics.url.removesuffix("/v1").rstrip("/")
+    assert (
+        f"adapter vllm (openai) limit=auto 1..64 "
+        f"(signal: engine metrics at {root}/metrics, else latency)"
+    ) in out
+    assert "target echo/m limit=auto 2..64 (signal: latency)" in out
+    assert "target cpp/qwen limit=auto 1..12 (signal: engine metrics at" in out
+    out = probed.stdout.decode()
+    assert "probe adapter vllm learns from engine (3 waiting, KV cache 50% used)" in out
+    assert "probe target cpp/qwen learns from latency (the engine exposes no signals" in out
+    assert "probe target gone/qwen learns from engine (its metrics cannot be read now:" in out
+    assert "counted as saturated until they can)" in out
+    assert "probe target echo/m learns from latency" in out
+    assert "Traceback" not in probed.stderr.decode()

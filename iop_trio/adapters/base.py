@@ -141,6 +141,12 @@ class Adapter(abc.ABC):
         None if this kind has no tokenizer. AdapterError if the engine cannot say."""
         return None
 
+    @property
+    def signals_url(self) -> str | None:
+        """Where :meth:`engine_signals` reads the engine's metrics; None for a kind that
+        reads none (its pools learn from latency)."""
+        return None
+
     async def engine_signals(self, now: float) -> EngineSignals | None:
         """The engine's own signals of its load (its metrics), read at ``now`` (the
         caller's clock); None if it exposes none. AdapterError if it cannot be read."""

@@ -264,10 +264,15 @@ class OpenAIAdapter(HTTPAdapter):
             raise AdapterError("bad_response", f"{url}: no token count in {quote(str(answer))}")
         return count
 
+    @property
+    def signals_url(self) -> str:
+        """``<root>/metrics``: vLLM's own, or ``llama-server --metrics``."""
+        return self.server_root + "/metrics"
+
     async def engine_signals(self, now: float) -> EngineSignals | None:
         """``GET <root>/metrics`` (vLLM's own, or ``llama-server --metrics``), read for
         :data:`ENGINE_METRICS`; None for a 404 or an exposition without them."""
-        url = self.server_root + "/metrics"
+        url = self.signals_url
         where = f"{self.kind} engine at {url}"
         timeout = httpx.Timeout(HEALTH_TIMEOUT)
         with trio.move_on_after(HEALTH_TIMEOUT * 2) as bounded:

@@ -201,7 +201,8 @@ class Node:
         # called with (event, record) for every run event, by every RunManager this node starts
         self.event_listeners: list[Callable[[RunEvent, RunRecord], None]] = []
 
-    def _adapter_of_pool(self, name: str) -> Adapter:
+    def adapter_of_pool(self, name: str) -> Adapter:
+        """The adapter of a pool named ``adapter:NAME`` or ``target:NAME``."""
         kind, _, which = name.partition(":")
         return self._adapters[which if kind == "adapter" else self.targets[which].adapter]
 
@@ -299,7 +300,7 @@ class Node:
                 )
                 for name, (auto, pool) in self.auto.items():
                     learner = CapacityLearner(
-                        name, auto, pool, self._adapter_of_pool(name), self.gate
+                        name, auto, pool, self.adapter_of_pool(name), self.gate
                     )
                     learner.awaiting = self._manager.awaiting_first_token
                     self.learners[name] = learner
