@@ -13,7 +13,7 @@ from iop_trio.adapters.echo import EchoAdapter
 from iop_trio.adapters.ollama import OllamaAdapter
 from iop_trio.adapters.openai import OpenAIAdapter
 from iop_trio.config import ConfigError, apply_env, load_config, structure_config
-from iop_trio.model import TenantLimits
+from iop_trio.model import AutoConcurrency, TenantLimits
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "node.yaml"
 
@@ -49,9 +49,17 @@ def test_the_example_config_is_valid_and_builds_a_node():
     assert "extra_body.min_p" in (vllm.allow_options or ())
     assert vllm.option_caps == {"max_tokens": 1024, "presence_penalty": {"min": -1, "max": 1}}
     assert config.limits().tenants == {
-        "batch": TenantLimits(weight=1, max_queued=200, concurrency=4),
+        "batch": TenantLimits(
+            weight=1,
+            max_queued=200,
+            concurrency=4,
+            max_tokens_in_flight=32768,
+            tokens_per_minute=200000,
+        ),
         "interactive": TenantLimits(weight=3),
     }
+    assert slots["vllm"].auto == AutoConcurrency(1, 16)
+    assert (vllm.token_budget, vllm.tokenizer, vllm.max_output_tokens) == (65536, "vllm", 512)
 
 
 def test_environment_overrides_reach_nested_keys():

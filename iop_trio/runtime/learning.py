@@ -57,6 +57,8 @@ class CapacityLearner:
         self.gate = gate
         self._rng = rng or random.Random()
         self.learned: LearnedCapacity | None = None
+        #: set once :meth:`run` has asked the engine and :attr:`signal` is known
+        self.decided = trio.Event()
         self.last_error = ""
         #: the runs in flight with no first token yet, and when each request went out
         #: (the run manager's; set by the node)
@@ -80,6 +82,7 @@ class CapacityLearner:
             rng=self._rng,
         )
         self.learned = learned
+        self.decided.set()
         self._apply(Move("start", learned.limit, learned.budget))
         log.info(
             "%s: concurrency learned from %s, from %d runs at once",

@@ -27,6 +27,8 @@ import trio
 
 from iop_trio.adapters import AdapterRequest
 from iop_trio.adapters.openai import OpenAIAdapter, OpenAISettings
+from iop_trio.metrics import NodeMetrics
+from iop_trio.model import AutoConcurrency
 from iop_trio.runtime import (
     EventKind,
     Node,
@@ -361,3 +363,59 @@ async def test_the_openai_front_door_over_the_real_engine(llama_server):
                 assert "".join(pieces).strip()
                 await link.aclose()
             nursery.cancel_scope.cancel()
+
+
+async def test_concurrency_auto_learns_from_the_real_engine(llama_server, tmp_path):
+    """``concurrency: auto`` on the real server: check-config says which signal the pool
+    learns from (the engine's metrics if it serves them, else latency, as llama-cpp-python's
+    server, which has no ``/metrics``); a node learns from that signal, keeps the limit in
+    its bounds and lets six runs through a limit of at most 3, all to success."""
+    config = tmp_path / "node.yaml"
+    config.write_text(
+        "node_id: smoke\n"
+        f"adapters: {{llama: {{kind: openai, base_url: '{llama_server}'}}}}\n"
+        "targets: [{adapter: llama, model: gemma, concurrency: auto, concurrency_max: 3}]\n"
+        f"store: {{path: {tmp_path / 'node.db'}}}\n"
+        "metrics: {listen: ''}\n"
+    )
+    probed = await trio.run_process(
+        [sys.executable, "-m", "iop_trio.cli", "check-config", "--config", str(config), "--probe"],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    out = probed.stdout.decode()
+    assert "target llama/gemma limit=auto 1..3" in out, (out, probed.stderr)
+    adapter = OpenAIAdapter(
+        "llama", OpenAISettings(base_url=llama_server, read_timeout=RUN_TIMEOUT)
+    )
+    expected = "latency" if await adapter.engine_signals(trio.current_time()) is None else "engine"
+    assert f"probe target llama/gemma learns from {expected}" in out, out
+    target = TargetSpec(
+        "llama",
+        "gemma",
+        auto=AutoConcurrency(1, 3),
+        params={"temperature": 0.0, "seed": 1, "max_tokens": 16},
+    )
+    node = Node(node_id="smoke", adapters=[adapter], targets=[target], store=MemoryStore())
+    async with node.running():
+        learner = node.learners[f"target:{TARGET}"]
+        with trio.fail_after(RUN_TIMEOUT):
+            await learner.decided.wait()  # it asks the real engine once at start
+        assert learner.signal == expected
+        submitted = [
+            await node.manager.submit(RunSpec(TARGET, prompt=f"Count to {n}.")) for n in range(1, 7)
+        ]
+        async with trio.open_nursery() as nursery:
+            for s in submitted:
+                nursery.start_soon(finish, node, s.record.run_id)
+        for s in submitted:
+            record = await node.store.get(s.record.run_id)
+            assert record is not None and record.status is RunStatus.SUCCEEDED, record
+            assert record.usage is not None and (record.usage.completion_tokens or 0) > 0, record
+        learned = learner.learned
+        assert learned is not None and 1 <= learned.limit <= 3, learned
+        _ready, components = NodeMetrics(node).readiness()
+        assert components[f"capacity:target:{TARGET}"]["state"].startswith(
+            f"learned from {expected}: "
+        )
