@@ -2,14 +2,16 @@
 
 :data:`COMMANDS` is the table (in ``--help`` order) and :func:`build_parser` the parser
 made from it; :func:`run_command` runs the command a parsed namespace names. Each
-``_start_*`` function is how one command starts: the logging it sets up, the config it
-loads (and where that config's warnings go), and the function it runs under trio.
+``_start_*`` function (and :func:`_on_store`, for the commands that read the store) is
+how a command starts: the logging it sets up, the config it loads (and where that
+config's warnings go), and the function it runs under trio.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TextIO
 
 import trio
@@ -23,12 +25,15 @@ from .demo import demo
 from .edge import edge_command, hash_token
 from .runs import runs_cancel, runs_list, runs_show
 from .serve import serve
-from .spec import Command, FromEnv, arg, chosen
+from .spec import Command, FromEnv, Runner, arg, chosen
 from .spec import build_parser as _build
 from .submit import submit
 from .usage import usage_command
 
 log = logging.getLogger("iop_trio.node")
+
+#: A command on the node's store: its config, the parsed arguments, stdout; its exit status.
+StoreCommand = Callable[[NodeConfig, argparse.Namespace, TextIO], Awaitable[int]]
 
 
 def _config(ns: argparse.Namespace, err: TextIO) -> NodeConfig:
@@ -51,28 +56,17 @@ def _start_check_config(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int
     return check_config(_config(ns, err), out, probe=ns.probe)
 
 
-def _start_runs_list(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    config = _config(ns, err)
-    setup_logging("warning")
-    return trio.run(runs_list, config, ns, out)
+def _on_store(action: StoreCommand) -> Runner:
+    """How a command that reads the node's store starts: the config (its warnings on
+    stderr), warnings-only logging, then ``action`` under trio."""
 
+    def start(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+        config = _config(ns, err)
+        setup_logging("warning")
+        return trio.run(action, config, ns, out)
 
-def _start_runs_show(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    config = _config(ns, err)
-    setup_logging("warning")
-    return trio.run(runs_show, config, ns, out)
-
-
-def _start_runs_cancel(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    config = _config(ns, err)
-    setup_logging("warning")
-    return trio.run(runs_cancel, config, ns, out)
-
-
-def _start_usage(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    config = _config(ns, err)
-    setup_logging("warning")
-    return trio.run(usage_command, config, ns, out)
+    start.__name__ = start.__qualname__ = f"start_{action.__name__}"
+    return start
 
 
 def _start_submit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -127,7 +121,7 @@ RUNS = (
                 help="one JSON object per line (JSON Lines), newest first",
             ),
         ),
-        _start_runs_list,
+        _on_store(runs_list),
     ),
     Command(
         "show",
@@ -138,7 +132,7 @@ RUNS = (
             arg("--events", action="store_true", help="also print its event log"),
             arg("--json", action="store_true", help="the run (and events) as JSON"),
         ),
-        _start_runs_show,
+        _on_store(runs_show),
     ),
     Command(
         "cancel",
@@ -152,7 +146,7 @@ RUNS = (
                 help="recorded as the run's reason (default %(default)s)",
             ),
         ),
-        _start_runs_cancel,
+        _on_store(runs_cancel),
     ),
 )
 
@@ -298,7 +292,7 @@ COMMANDS = (
         "usage",
         "prompt and completion tokens of the runs that ended, by tenant or target",
         USAGE_ARGS,
-        _start_usage,
+        _on_store(usage_command),
     ),
     Command("submit", "submit a run through an edge and stream it", SUBMIT_ARGS, _start_submit),
     Command(
