@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from ..edge import Edge, NodeHandle
 
 
+#: The demo edge's one shared token (it listens on loopback only).
 DEMO_TOKEN = "demo-token"
 
 
