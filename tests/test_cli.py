@@ -519,7 +519,7 @@ async def test_check_config_probe_reaches_each_engine_and_the_edge(tmp_path):
 def test_every_flag_and_argument_has_help_text():
     import argparse
 
-    from iop_trio.cli import _parser
+    from iop_trio.cli.commands import build_parser
 
     missing = []
 
@@ -531,7 +531,7 @@ def test_every_flag_and_argument_has_help_text():
             elif not action.help:
                 missing.append(f"{path}: {action.dest}")
 
-    walk(_parser(), "iop-node")
+    walk(build_parser(), "iop-node")
     assert missing == []
 
 

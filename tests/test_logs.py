@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from iop_trio.cli import _log_run_end
+from iop_trio.cli.serve import log_run_end
 from iop_trio.logs import escape_controls, setup_logging
 from iop_trio.runtime import RunSpec
 
@@ -56,7 +56,7 @@ def test_a_forged_line_stays_inside_its_record(text_log):
 
 async def test_a_cancel_reason_cannot_forge_a_log_line(text_log):
     node = echo_node(("a", 1), delay=60)
-    node.event_listeners.append(_log_run_end)  # what `iop-node serve` logs at a run's end
+    node.event_listeners.append(log_run_end)  # what `iop-node serve` logs at a run's end
     async with node.running():
         run_id = (await node.manager.submit(RunSpec("echo/a", "p"))).record.run_id
         await node.manager.cancel(run_id, "bye\nERROR forged: the node is on fire")
