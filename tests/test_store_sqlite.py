@@ -30,12 +30,8 @@ from iop_trio.model import EventKind, RunEvent, RunRecord, RunStatus
 from iop_trio.runtime import Usage
 from iop_trio.store import RunStore, StoreError, StoreUnavailable
 from iop_trio.store.memory import MemoryStore
-from iop_trio.store.sqlite import (
-    _MIGRATE_1_TO_2,
-    SCHEMA_VERSION,
-    SqliteStore,
-    usage_totals_sql,
-)
+from iop_trio.store.sqlite import SCHEMA_VERSION, SqliteStore, usage_totals_sql
+from iop_trio.store.sqlite_schema import MIGRATE_1_TO_2
 
 from .support import HealthLog, logged, read_only
 from .test_store_contract import created, finished, new_run, running, seqs
@@ -230,7 +226,7 @@ async def test_a_version_2_store_is_migrated_with_its_usage_in_numbers(tmp_path)
     before holds one token, and a run it left RUNNING is interrupted with those."""
     path = tmp_path / "runs.db"
     raw = sqlite3.connect(path)
-    for statement in (*V1_SCHEMA, *_MIGRATE_1_TO_2):
+    for statement in (*V1_SCHEMA, *MIGRATE_1_TO_2):
         raw.execute(statement)
     run = "INSERT INTO runs VALUES (?, ?, 'echo/m', ?, 0, 1.0, 'abcdefgh', '[]', '{}', 2.0, ?, "
     run += "'', '', ?, ?, 't', 0, NULL)"

@@ -110,7 +110,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar, cast
 
@@ -120,14 +120,10 @@ import trio
 from ..lifecycle import RunState, fold
 from ..model import (
     CHARS_PER_TOKEN,
-    LIVE_STATUSES,
-    TERMINAL_STATUSES,
-    EventKind,
     RunEvent,
     RunRecord,
     RunSpec,
     RunStatus,
-    Usage,
 )
 from .base import (
     HealthListener,
@@ -141,15 +137,45 @@ from .base import (
     refused_error,
     unfinished_usage,
 )
+from .sqlite_schema import (
+    EVENT_COLUMNS,
+    FOLD_COLUMNS,
+    LIVE_VALUES,
+    RUN_COLUMNS,
+    SCHEMA_VERSION,
+    TERMINAL_VALUES,
+    check_or_create_schema,
+    event_from_row,
+    event_row,
+    fold_record,
+    fold_values,
+    insert_rows,
+    marks,
+    run_from_row,
+    run_row,
+    select_ids,
+    select_rows,
+    update_folds,
+    usage_totals_sql,
+    write_event,
+)
+
+__all__ = [
+    "CHECK_INTERVAL",
+    "CLOSE_TIMEOUT",
+    "JOURNAL_SIZE_LIMIT",
+    "LINGER",
+    "SCHEMA_VERSION",
+    "WAL_AUTOCHECKPOINT",
+    "SqliteStore",
+    "SqliteStoreStatistics",
+    "usage_totals_sql",
+]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: The schema this code writes; PRAGMA user_version of the file. Versions 1 (without
-#: tenants, priorities and retry hints) and 2 (without the runs' token columns and the
-#: deltas' token counts) are migrated in place when the store opens.
-SCHEMA_VERSION = 3
 
 #: Primary SQLite result codes of failures that pass (the disk fills, an I/O error,
 #: another process holds a lock too long): the batch is retried, never refused.
@@ -214,91 +240,6 @@ _NOT_COPIED_AT_CLOSE = (
 WAL_AUTOCHECKPOINT = 256
 #: ... and truncated to at most this many bytes when it is reset, so a small disk holds.
 JOURNAL_SIZE_LIMIT = 1024 * 1024
-
-_SCHEMA = (
-    """
-    CREATE TABLE runs (
-        id INTEGER PRIMARY KEY,              -- creation order; newest first = id DESC
-        run_id TEXT NOT NULL UNIQUE,
-        target TEXT NOT NULL,
-        status TEXT NOT NULL,
-        background INTEGER NOT NULL,
-        created REAL NOT NULL,
-        prompt TEXT NOT NULL,
-        messages TEXT NOT NULL,              -- JSON [[role, content], ...]
-        options TEXT NOT NULL,               -- JSON object
-        started REAL,
-        finished REAL,
-        reason TEXT NOT NULL,
-        message TEXT NOT NULL,
-        last_seq INTEGER NOT NULL,
-        usage TEXT,                          -- JSON object or NULL
-        tenant TEXT NOT NULL DEFAULT '',
-        priority INTEGER NOT NULL DEFAULT 0,
-        retry_after REAL,                    -- a REJECTED run's hint (seconds) or NULL
-        -- the usage's counts again, as numbers, for totals (usage_totals); NULL: none
-        prompt_tokens INTEGER,
-        completion_tokens INTEGER,
-        prompt_estimated INTEGER NOT NULL DEFAULT 0,
-        completion_estimated INTEGER NOT NULL DEFAULT 0
-    )
-    """,
-    "CREATE INDEX runs_status ON runs (status, id)",
-    "CREATE INDEX runs_target ON runs (target, id)",
-    "CREATE INDEX runs_tenant ON runs (tenant, id)",
-    "CREATE INDEX runs_finished ON runs (finished)",
-    """
-    CREATE TABLE events (
-        run_id TEXT NOT NULL,
-        seq INTEGER NOT NULL,
-        kind TEXT NOT NULL,
-        time REAL NOT NULL,
-        text TEXT NOT NULL,
-        reason TEXT NOT NULL,
-        message TEXT NOT NULL,
-        usage TEXT,                          -- JSON object or NULL
-        retry_after REAL,
-        tokens INTEGER,                      -- a delta's engine tokens; NULL: before v3
-        PRIMARY KEY (run_id, seq)
-    ) WITHOUT ROWID
-    """,
-)
-
-#: From schema version 1 to 2.
-_MIGRATE_1_TO_2 = (
-    "ALTER TABLE runs ADD COLUMN tenant TEXT NOT NULL DEFAULT ''",
-    "ALTER TABLE runs ADD COLUMN priority INTEGER NOT NULL DEFAULT 0",
-    "ALTER TABLE runs ADD COLUMN retry_after REAL",
-    "CREATE INDEX runs_tenant ON runs (tenant, id)",
-    "ALTER TABLE events ADD COLUMN retry_after REAL",
-)
-#: From schema version 2 to 3 (then :func:`_fill_token_columns`). A delta stored before
-#: reads as one engine token (it holds one chunk at least).
-_MIGRATE_2_TO_3 = (
-    "ALTER TABLE runs ADD COLUMN prompt_tokens INTEGER",
-    "ALTER TABLE runs ADD COLUMN completion_tokens INTEGER",
-    "ALTER TABLE runs ADD COLUMN prompt_estimated INTEGER NOT NULL DEFAULT 0",
-    "ALTER TABLE runs ADD COLUMN completion_estimated INTEGER NOT NULL DEFAULT 0",
-    "ALTER TABLE events ADD COLUMN tokens INTEGER",
-)
-
-#: The columns that hold a run's usage as numbers (:func:`_usage_columns`).
-_USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "prompt_estimated", "completion_estimated")
-_RUN_COLUMNS = (
-    "run_id, target, status, background, created, prompt, messages, options, "
-    "started, finished, reason, message, last_seq, usage, tenant, priority, retry_after, "
-    + ", ".join(_USAGE_FIELDS)
-)
-_EVENT_COLUMNS = "run_id, seq, kind, time, text, reason, message, usage, retry_after, tokens"
-# Folding reads and writes only the columns lifecycle.fold() looks at or
-# changes, so a delta does not reload a long prompt or chat history.
-_FOLD_FIELDS = (
-    "status", "last_seq", "started", "finished", "reason", "message", "usage", "retry_after",
-    *_USAGE_FIELDS,
-)  # fmt: skip
-_FOLD_COLUMNS = "run_id, " + ", ".join(_FOLD_FIELDS)
-_LIVE = tuple(sorted(s.value for s in LIVE_STATUSES))
-_TERMINAL = tuple(sorted(s.value for s in TERMINAL_STATUSES))
 
 
 @attrs.frozen
@@ -475,7 +416,7 @@ class SqliteStore(RunStore):
         self._rescue_path: str | None = None
         self._rescued = False
         self._gone_told = False
-        # the writer thread's own: partial records (see _fold_record) of the live runs it
+        # the writer thread's own: partial records (see fold_record) of the live runs it
         # has seen, as in the database, so an append needs no SELECT; cleared when in doubt
         self._folds: dict[str, RunRecord] = {}
         # counters, written by the writer thread only
@@ -613,22 +554,22 @@ class SqliteStore(RunStore):
             await trio.lowlevel.checkpoint()
             raise
         try:
-            row = _run_row(created)
+            row = run_row(created)
         except (TypeError, ValueError) as exc:
             await trio.lowlevel.checkpoint()
             raise StoreError(f"run {record.run_id}: options are not JSON: {exc}") from exc
-        event_rows = [_event_row(e) for e in (event, *then)]
+        event_rows = [event_row(e) for e in (event, *then)]
         # what the writer keeps of the run to fold later appends into (nothing once it ended)
         kept = None
         if not created.status.terminal:
-            kept = _fold_record((record.run_id, *_fold_values(created)))
+            kept = fold_record((record.run_id, *fold_values(created)))
 
         def work(conn: sqlite3.Connection) -> None:
             try:
-                conn.execute(f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES ({_marks(len(row))})", row)
+                conn.execute(f"INSERT INTO runs ({RUN_COLUMNS}) VALUES ({marks(len(row))})", row)
             except sqlite3.IntegrityError as exc:
                 raise StoreError(f"run {record.run_id} exists") from exc
-            _insert_rows(conn, "events", _EVENT_COLUMNS, event_rows)
+            insert_rows(conn, "events", EVENT_COLUMNS, event_rows)
             if kept is not None:
                 self._folds[record.run_id] = attrs.evolve(kept)
 
@@ -700,9 +641,9 @@ class SqliteStore(RunStore):
     async def get(self, run_id: str) -> RunRecord | None:
         def read(conn: sqlite3.Connection) -> RunRecord | None:
             rows = conn.execute(
-                f"SELECT {_RUN_COLUMNS} FROM runs WHERE run_id = ?", (run_id,)
+                f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = ?", (run_id,)
             ).fetchall()
-            return _record(rows[0]) if rows else None
+            return run_from_row(rows[0]) if rows else None
 
         return await self._read(read)
 
@@ -724,7 +665,7 @@ class SqliteStore(RunStore):
         args: list[object] = []
         wanted = sorted({s.value for s in statuses})
         if wanted:
-            where.append(f"status IN ({_marks(len(wanted))})")
+            where.append(f"status IN ({marks(len(wanted))})")
             args.extend(wanted)
         if target:
             where.append("target = ?")
@@ -735,14 +676,14 @@ class SqliteStore(RunStore):
         if run_id_prefix:
             where.append("substr(run_id, 1, ?) = ?")
             args.extend([len(run_id_prefix), run_id_prefix])
-        sql = f"SELECT {_RUN_COLUMNS} FROM runs"
+        sql = f"SELECT {RUN_COLUMNS} FROM runs"
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY id DESC LIMIT ?"
         args.append(max(limit, 0))
 
         def read(conn: sqlite3.Connection) -> list[RunRecord]:
-            return [_record(row) for row in conn.execute(sql, args).fetchall()]
+            return [run_from_row(row) for row in conn.execute(sql, args).fetchall()]
 
         return await self._read(read)
 
@@ -751,11 +692,11 @@ class SqliteStore(RunStore):
     ) -> list[RunEvent]:
         def read(conn: sqlite3.Connection) -> list[RunEvent]:
             rows = conn.execute(
-                f"SELECT {_EVENT_COLUMNS} FROM events WHERE run_id = ? AND seq > ? "
+                f"SELECT {EVENT_COLUMNS} FROM events WHERE run_id = ? AND seq > ? "
                 "ORDER BY seq LIMIT ?",
                 (run_id, after_seq, -1 if limit is None else max(limit, 0)),
             ).fetchall()
-            return [_event(row) for row in rows]
+            return [event_from_row(row) for row in rows]
 
         return await self._read(read)
 
@@ -766,9 +707,9 @@ class SqliteStore(RunStore):
         see :meth:`RunStore.interrupt_unfinished` for the usage of those found RUNNING."""
 
         def work(conn: sqlite3.Connection) -> list[RunEvent]:
-            live = f"status IN ({_marks(len(_LIVE))})"
+            live = f"status IN ({marks(len(LIVE_VALUES))})"
             rows = conn.execute(
-                f"SELECT {_FOLD_COLUMNS} FROM runs WHERE {live} ORDER BY id", _LIVE
+                f"SELECT {FOLD_COLUMNS} FROM runs WHERE {live} ORDER BY id", LIVE_VALUES
             ).fetchall()
             # what those found RUNNING asked and were sent, for their usage: the deltas'
             # tokens (a delta stored before they were kept counts one)
@@ -787,14 +728,14 @@ class SqliteStore(RunStore):
             )
             made = []
             for row in rows:
-                record = _fold_record(row)
+                record = fold_record(row)
                 usage = None
                 if record.run_id in asked:
                     usage = unfinished_usage(
                         asked[record.run_id], sent.get(record.run_id, 0), chars_per_token
                     )
                 event = RunState(record).interrupt(time=time, message=message, usage=usage)
-                _write_event(conn, record, event)
+                write_event(conn, record, event)
                 self._folds.pop(record.run_id, None)
                 made.append(event)
             job.events = len(made)
@@ -819,8 +760,8 @@ class SqliteStore(RunStore):
         """Delete terminal runs with ``finished < finished_before`` and their events."""
 
         def work(conn: sqlite3.Connection) -> int:
-            condition = f"status IN ({_marks(len(_TERMINAL))}) AND finished < ?"
-            args = (*_TERMINAL, finished_before)
+            condition = f"status IN ({marks(len(TERMINAL_VALUES))}) AND finished < ?"
+            args = (*TERMINAL_VALUES, finished_before)
             conn.execute(
                 f"DELETE FROM events WHERE run_id IN (SELECT run_id FROM runs WHERE {condition})",
                 args,
@@ -999,7 +940,7 @@ class SqliteStore(RunStore):
                 check_same_thread=True,
             )
         try:
-            _check_or_create_schema(conn)
+            check_or_create_schema(conn)
             mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
             if str(mode).lower() != "wal":
                 raise StoreError(f"cannot use WAL journal mode on {self.path!r} (got {mode})")
@@ -1191,7 +1132,7 @@ class SqliteStore(RunStore):
                 conn.execute("BEGIN IMMEDIATE")
                 conn.execute("DELETE FROM events WHERE run_id = ?", (_PROBE_RUN,))
                 conn.execute(
-                    f"INSERT INTO events ({_EVENT_COLUMNS}) "
+                    f"INSERT INTO events ({EVENT_COLUMNS}) "
                     "VALUES (?, 0, 'probe', 0, zeroblob(?), '', '', NULL, NULL, NULL)",
                     (_PROBE_RUN, size),
                 )
@@ -1348,14 +1289,14 @@ class SqliteStore(RunStore):
         its StoreError and nothing of it is written; the others go on.
         """
         creates = [job.plan[1] for job in jobs if job.plan is not None and job.plan[0] == "create"]
-        taken = _select_ids(conn, "SELECT run_id FROM runs WHERE run_id IN ({})", creates)
+        taken = select_ids(conn, "SELECT run_id FROM runs WHERE run_id IN ({})", creates)
         unknown = {
             job.plan[1].run_id for job in jobs if job.plan is not None and job.plan[0] == "append"
         } - self._folds.keys()
-        for row in _select_rows(
-            conn, f"SELECT {_FOLD_COLUMNS} FROM runs WHERE run_id IN ({{}})", sorted(unknown)
+        for row in select_rows(
+            conn, f"SELECT {FOLD_COLUMNS} FROM runs WHERE run_id IN ({{}})", sorted(unknown)
         ):
-            self._folds[row[0]] = _fold_record(row)
+            self._folds[row[0]] = fold_record(row)
         run_rows: list[tuple[object, ...]] = []
         event_rows: list[tuple[object, ...]] = []
         folded: dict[str, RunRecord] = {}
@@ -1382,7 +1323,7 @@ class SqliteStore(RunStore):
                     except (StoreError, ValueError, RuntimeError) as exc:  # IllegalTransition
                         refused.append(str(exc))
                         continue
-                    event_rows.append(_event_row(event))
+                    event_rows.append(event_row(event))
                     folded[event.run_id] = record
                     if record.status.terminal:
                         del self._folds[event.run_id]
@@ -1390,9 +1331,9 @@ class SqliteStore(RunStore):
                     job.result = refused
                 elif refused:
                     job.error = StoreError(refused[0])
-        _insert_rows(conn, "runs", _RUN_COLUMNS, run_rows)
-        _insert_rows(conn, "events", _EVENT_COLUMNS, event_rows)
-        _update_folds(conn, list(folded.values()))
+        insert_rows(conn, "runs", RUN_COLUMNS, run_rows)
+        insert_rows(conn, "events", EVENT_COLUMNS, event_rows)
+        update_folds(conn, list(folded.values()))
         return len(event_rows)
 
     def _per_job_transaction(
@@ -1431,16 +1372,16 @@ class SqliteStore(RunStore):
         record = self._folds.get(event.run_id)
         if record is None:
             rows = conn.execute(
-                f"SELECT {_FOLD_COLUMNS} FROM runs WHERE run_id = ?", (event.run_id,)
+                f"SELECT {FOLD_COLUMNS} FROM runs WHERE run_id = ?", (event.run_id,)
             ).fetchall()
             if not rows:
                 raise StoreError(f"event for unknown run {event.run_id}")
-            record = _fold_record(rows[0])
+            record = fold_record(rows[0])
         try:
             fold(record, event)
         except (ValueError, RuntimeError) as exc:  # IllegalTransition is a RuntimeError
             raise StoreError(str(exc)) from exc
-        _write_event(conn, record, event)
+        write_event(conn, record, event)
         if record.status.terminal:
             self._folds.pop(event.run_id, None)
         else:
@@ -1583,88 +1524,6 @@ def _create_private(path: str) -> None:
         )
 
 
-def _check_or_create_schema(conn: sqlite3.Connection) -> None:
-    version = conn.execute("PRAGMA user_version").fetchone()[0]
-    if version > SCHEMA_VERSION:
-        raise StoreError(
-            f"the run store has schema version {version}, newer than this version of "
-            f"iop-trio understands ({SCHEMA_VERSION}); upgrade iop-trio or use another file"
-        )
-    if version == SCHEMA_VERSION:
-        return
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        version = conn.execute("PRAGMA user_version").fetchone()[0]  # another process?
-        if version == 0:
-            tables = conn.execute(
-                "SELECT name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'"
-            ).fetchall()
-            if tables:
-                raise StoreError(
-                    "the file is a SQLite database but not an iop-trio run store "
-                    f"(it has {', '.join(sorted(t[0] for t in tables))} and no schema version)"
-                )
-            for statement in _SCHEMA:
-                conn.execute(statement)
-            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        elif version in (1, 2):
-            for statement in _MIGRATE_1_TO_2 if version == 1 else ():
-                conn.execute(statement)
-            for statement in _MIGRATE_2_TO_3:
-                conn.execute(statement)
-            _fill_token_columns(conn)
-            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        elif version != SCHEMA_VERSION:  # pragma: no cover - no other versions exist
-            raise StoreError(f"the run store has schema version {version}; cannot migrate it")
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-
-
-def usage_totals_sql(
-    by: UsageGroup, since: float | None, until: float | None
-) -> tuple[str, list[object]]:
-    """The statement (and its arguments) of :meth:`SqliteStore.usage_totals`."""
-    column = {"tenant": "tenant", "target": "target"}[by]  # never the caller's text
-    where = ["usage IS NOT NULL", "finished IS NOT NULL"]
-    args: list[object] = []
-    if since is not None:
-        where.append("finished >= ?")
-        args.append(since)
-    if until is not None:
-        where.append("finished < ?")
-        args.append(until)
-    sums = ", ".join(
-        f"COALESCE(SUM({count}), 0)"
-        for count in (
-            "prompt_tokens",
-            "completion_tokens",
-            "prompt_tokens * prompt_estimated",
-            "completion_tokens * completion_estimated",
-        )
-    )
-    # a window reads the runs that ended in it, by the index on finished: left to choose,
-    # SQLite takes the index on tenant (or target) to group without sorting, and reads
-    # every run (a second for 500,000, against milliseconds for a day of them)
-    source = "runs" if since is None and until is None else "runs INDEXED BY runs_finished"
-    sql = (
-        f"SELECT {column}, COUNT(*), {sums} FROM {source} WHERE {' AND '.join(where)} "
-        f"GROUP BY {column} ORDER BY {column}"
-    )
-    return sql, args
-
-
-def _fill_token_columns(conn: sqlite3.Connection) -> None:
-    """Set the token columns of every run with a usage from its JSON (migrating to v3)."""
-    rows = conn.execute("SELECT run_id, usage FROM runs WHERE usage IS NOT NULL").fetchall()
-    assignments = ", ".join(f"{field} = ?" for field in _USAGE_FIELDS)
-    conn.executemany(
-        f"UPDATE runs SET {assignments} WHERE run_id = ?",
-        [(*_usage_columns(_usage(usage)), run_id) for run_id, usage in rows],
-    )
-
-
 def _passing(exc: BaseException) -> str | None:
     """What went wrong, if ``exc`` (or its cause) is a passing SQLite failure (or the
     store's own StoreUnavailable); else None."""
@@ -1679,53 +1538,6 @@ def _passing(exc: BaseException) -> str | None:
     return None
 
 
-#: Values in one statement: SQLite's default bound since 3.32 (this module asks no more).
-_MAX_VALUES = 32766
-
-
-def _chunks(items: list[T], width: int) -> list[list[T]]:
-    """``items`` in runs short enough that ``width`` values each fit in one statement."""
-    size = max(1, _MAX_VALUES // width)
-    return [items[i : i + size] for i in range(0, len(items), size)]
-
-
-def _select_rows(conn: sqlite3.Connection, sql: str, ids: list[str]) -> list[tuple[Any, ...]]:
-    """``sql`` (with ``{}`` for the list of ids) over ``ids``, a statement per chunk."""
-    rows: list[tuple[Any, ...]] = []
-    for chunk in _chunks(ids, 1):
-        rows += conn.execute(sql.format(_marks(len(chunk))), chunk).fetchall()
-    return rows
-
-
-def _select_ids(conn: sqlite3.Connection, sql: str, ids: list[str]) -> set[str]:
-    return {row[0] for row in _select_rows(conn, sql, ids)}
-
-
-def _insert_rows(
-    conn: sqlite3.Connection, table: str, columns: str, rows: list[tuple[object, ...]]
-) -> None:
-    if not rows:
-        return
-    for chunk in _chunks(rows, len(rows[0])):
-        values = ", ".join([f"({_marks(len(chunk[0]))})"] * len(chunk))
-        conn.execute(
-            f"INSERT INTO {table} ({columns}) VALUES {values}", [v for row in chunk for v in row]
-        )
-
-
-def _update_folds(conn: sqlite3.Connection, records: list[RunRecord]) -> None:
-    """Set the fold columns of each run to its record's, a statement per chunk."""
-    width = 1 + len(_FOLD_FIELDS)
-    assignments = ", ".join(f"{field} = u.{field}" for field in _FOLD_FIELDS)
-    for chunk in _chunks(records, width):
-        values = ", ".join([f"({_marks(width)})"] * len(chunk))
-        conn.execute(
-            f"WITH u({_FOLD_COLUMNS}) AS (VALUES {values}) "
-            f"UPDATE runs SET {assignments} FROM u WHERE runs.run_id = u.run_id",
-            [value for r in chunk for value in (r.run_id, *_fold_values(r))],
-        )
-
-
 def _planned_events(job: _Job[Any]) -> tuple[RunEvent, ...]:
     """The events a planned append or append_many job writes (none for another job)."""
     plan = job.plan
@@ -1738,180 +1550,9 @@ def _planned_events(job: _Job[Any]) -> tuple[RunEvent, ...]:
     return ()
 
 
-def _marks(n: int) -> str:
-    return ", ".join("?" * n)
-
-
 def _store_error(exc: BaseException, context: str) -> StoreError:
     if isinstance(exc, StoreError):
         return exc
     error = StoreError(f"{context}: {type(exc).__name__}: {exc}")
     error.__cause__ = exc
     return error
-
-
-def _usage_json(usage: Usage | None) -> str | None:
-    if usage is None:
-        return None
-    return json.dumps(
-        {
-            "done_reason": usage.done_reason,
-            "prompt_tokens": usage.prompt_tokens,
-            "completion_tokens": usage.completion_tokens,
-            "prompt_estimated": usage.prompt_estimated,
-            "completion_estimated": usage.completion_estimated,
-        }
-    )
-
-
-def _usage(text: str | None) -> Usage | None:
-    if text is None:
-        return None
-    data = json.loads(text)
-    return Usage(
-        data["done_reason"],
-        data["prompt_tokens"],
-        data["completion_tokens"],
-        # absent: stored before the node settled usage, a count the engine's or none
-        prompt_estimated=data.get("prompt_estimated", False),
-        completion_estimated=data.get("completion_estimated", False),
-    )
-
-
-def _usage_columns(usage: Usage | None) -> tuple[object, ...]:
-    """The values of :data:`_USAGE_FIELDS` for a run whose record holds ``usage``."""
-    if usage is None:
-        return (None, None, 0, 0)
-    return (
-        usage.prompt_tokens,
-        usage.completion_tokens,
-        int(usage.prompt_estimated),
-        int(usage.completion_estimated),
-    )
-
-
-def _run_row(record: RunRecord) -> tuple[object, ...]:
-    return (
-        record.run_id,
-        record.target,
-        record.status.value,
-        int(record.background),
-        record.created,
-        record.prompt,
-        json.dumps([[role, content] for role, content in record.messages]),
-        json.dumps(dict(record.options)),
-        record.started,
-        record.finished,
-        record.reason,
-        record.message,
-        record.last_seq,
-        _usage_json(record.usage),
-        record.tenant,
-        record.priority,
-        record.retry_after,
-        *_usage_columns(record.usage),
-    )
-
-
-def _record(row: tuple[Any, ...]) -> RunRecord:
-    options: Mapping[str, Any] = json.loads(row[7])
-    return RunRecord(
-        run_id=row[0],
-        target=row[1],
-        status=RunStatus(row[2]),
-        background=bool(row[3]),
-        created=row[4],
-        prompt=row[5],
-        messages=tuple((role, content) for role, content in json.loads(row[6])),
-        options=options,
-        started=row[8],
-        finished=row[9],
-        reason=row[10],
-        message=row[11],
-        last_seq=row[12],
-        usage=_usage(row[13]),
-        tenant=row[14],
-        priority=row[15],
-        retry_after=row[16],
-    )
-
-
-def _event_row(event: RunEvent) -> tuple[object, ...]:
-    return (
-        event.run_id,
-        event.seq,
-        event.kind.value,
-        event.time,
-        event.text,
-        event.reason,
-        event.message,
-        _usage_json(event.usage),
-        event.retry_after,
-        event.tokens,
-    )
-
-
-def _event(row: tuple[Any, ...]) -> RunEvent:
-    kind = EventKind(row[2])
-    tokens = row[9]
-    if tokens is None:  # stored before v3: a delta holds one engine chunk at least
-        tokens = 1 if kind is EventKind.DELTA else 0
-    return RunEvent(
-        run_id=row[0],
-        seq=row[1],
-        kind=kind,
-        time=row[3],
-        text=row[4],
-        reason=row[5],
-        message=row[6],
-        usage=_usage(row[7]),
-        retry_after=row[8],
-        tokens=tokens,
-    )
-
-
-def _fold_record(row: tuple[Any, ...]) -> RunRecord:
-    """A partial record (no target, prompt, options) for :func:`iop_trio.lifecycle.fold`."""
-    return RunRecord(
-        run_id=row[0],
-        target="",
-        status=RunStatus(row[1]),
-        background=False,
-        created=0.0,
-        last_seq=row[2],
-        started=row[3],
-        finished=row[4],
-        reason=row[5],
-        message=row[6],
-        usage=_usage(row[7]),
-        retry_after=row[8],
-    )
-
-
-def _fold_values(record: RunRecord) -> tuple[object, ...]:
-    """The values of :data:`_FOLD_FIELDS` for ``record``."""
-    return (
-        record.status.value,
-        record.last_seq,
-        record.started,
-        record.finished,
-        record.reason,
-        record.message,
-        _usage_json(record.usage),
-        record.retry_after,
-        *_usage_columns(record.usage),
-    )
-
-
-def _write_event(conn: sqlite3.Connection, record: RunRecord, event: RunEvent) -> None:
-    """Insert ``event`` and update the run's row to ``record``, which ``event`` was folded into."""
-    row = _event_row(event)
-    conn.execute(f"INSERT INTO events ({_EVENT_COLUMNS}) VALUES ({_marks(len(row))})", row)
-    if event.status is None:  # a delta moves only the seq
-        conn.execute("UPDATE runs SET last_seq = ? WHERE run_id = ?", (event.seq, record.run_id))
-        return
-    assignments = ", ".join(f"{field} = ?" for field in _FOLD_FIELDS)
-    conn.execute(
-        f"UPDATE runs SET {assignments} WHERE run_id = ?",
-        (*_fold_values(record), record.run_id),
-    )
