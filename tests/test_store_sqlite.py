@@ -799,6 +799,24 @@ async def test_a_batch_that_fails_in_bulk_is_made_job_by_job(store, gate):
     assert await store.get("new") == new.record
 
 
+async def test_append_many_folds_runs_the_writer_has_forgotten(store):
+    """A failed job makes the writer forget the runs it folds in memory; append_many reloads
+    them from the file, as append does (it once refused them as unknown runs)."""
+    state = await running(store, "r1")
+    late = state.delta("late", time=4.0)  # another writer's: the writer's fold is stale
+    with contextlib.closing(sqlite3.connect(store.path, isolation_level=None)) as other:
+        other.execute(
+            "INSERT INTO events (run_id, seq, kind, time, text, reason, message) "
+            "VALUES ('r1', ?, 'delta', 4.0, 'late', '', '')",
+            (late.seq,),
+        )
+        other.execute("UPDATE runs SET last_seq = ? WHERE run_id = 'r1'", (late.seq,))
+    with pytest.raises(StoreError, match="seq 3 after 3"):
+        await store.append(RunEvent("r1", 3, EventKind.DELTA, 5.0, text="clash"))
+    await store.append_many([state.delta("on", time=6.0), state.delta("and on", time=7.0)])
+    assert await seqs(store, "r1") == [1, 2, 3, 4, 5]
+
+
 async def test_many_events_in_one_job_are_one_commit(store):
     states = [await running(store, f"r{i}") for i in range(50)]
     before = store.statistics().commits
