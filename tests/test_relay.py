@@ -25,7 +25,7 @@ from iop_trio.runtime.manager import (
     gathered,
 )
 from iop_trio.store.memory import MemoryStore
-from iop_trio.store.sqlite import SqliteStore
+from iop_trio.store.sqlite import SqliteStore, SqliteStoreHooks
 
 from .engines import OPENAI, EngineServer, Reply, serve
 from .test_wire import stack
@@ -122,17 +122,17 @@ async def test_a_dripping_stream_keeps_its_text_and_order_on_the_wire():
     assert all(e.seq in ends for e in events)
 
 
-class StepGate:
-    """Holds the SQLite writer before each batch until the test lets that one go."""
+class StepGate(SqliteStoreHooks):
+    """A store's hooks: holds the SQLite writer before each batch until the test lets that
+    one go."""
 
-    def __init__(self, store: SqliteStore) -> None:
+    def __init__(self) -> None:
         self.batches: list[list[str]] = []
         self._steps = threading.Semaphore(0)
         self._taken = threading.Semaphore(0)
         self._open = True
-        store._before_batch = self._hook
 
-    def _hook(self, labels: list[str]) -> None:
+    def before_batch(self, labels: list[str]) -> None:
         if self._open:
             return
         self.batches.append(labels)
@@ -162,9 +162,9 @@ async def engine_node(
 ) -> AsyncIterator[EngineNode]:
     """A running node with the SQLite store (its writer under a :class:`StepGate`) and the
     openai adapter on a scripted engine; the store is closed after, the gate opened."""
-    store = SqliteStore(tmp_path / "runs.db")
+    gate = StepGate()
+    store = SqliteStore(tmp_path / "runs.db", hooks=gate)
     await store.ready()
-    gate = StepGate(store)
     try:
         async with serve() as server, OPENAI.adapter(server.url) as adapter:
             limit = {} if concurrency is None else {"concurrency": concurrency}

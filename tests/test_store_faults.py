@@ -2,7 +2,7 @@
 refused STORE_UNAVAILABLE, running runs are stopped after a grace, nothing is lost.
 
 The "full disk" is SQLite's own ``PRAGMA max_page_count``, set through the store's
-``_test_pragmas`` seam and lifted again; the last test uses a real 2 MiB tmpfs where
+``hooks`` seam (:class:`FullDisk`) and lifted again; the last test uses a real 2 MiB tmpfs where
 the test may mount one. Real threads, real clock: every wait is bounded.
 """
 
@@ -25,7 +25,7 @@ from iop_trio.model import EventKind, RunStatus
 from iop_trio.protocol import pb
 from iop_trio.runtime import Node, RunSpec, RuntimeLimits, TargetSpec
 from iop_trio.store import StoreUnavailable
-from iop_trio.store.sqlite import JOURNAL_SIZE_LIMIT, SqliteStore
+from iop_trio.store.sqlite import JOURNAL_SIZE_LIMIT, SqliteStore, SqliteStoreHooks
 from iop_trio.transport import RemoteError, open_runner
 
 from .support import HealthLog, ScriptedAdapter
@@ -38,34 +38,50 @@ LIMIT = 20  # seconds: a bound on anything that waits on the writer thread
 UNLIMITED = "PRAGMA max_page_count = 1073741823"
 
 
-def fill(store: SqliteStore) -> None:
-    """Let the database file grow no more: the next write that needs a page fails FULL."""
-    with contextlib.closing(sqlite3.connect(store.path)) as conn:
-        pages = conn.execute("PRAGMA page_count").fetchone()[0]
-    store._test_pragmas = [f"PRAGMA max_page_count = {pages}"]
+class FullDisk(SqliteStoreHooks):
+    """A store's hooks: a "disk" that fills and gets room again, by the statements the
+    writer runs before each attempt at a batch (and each probe)."""
 
+    def __init__(self) -> None:
+        self.pragmas: list[str] = []
 
-def lift(store: SqliteStore) -> None:
-    store._test_pragmas = [UNLIMITED]
+    def before_attempt(self, conn: sqlite3.Connection) -> None:
+        for statement in self.pragmas:
+            conn.execute(statement)
+
+    def fill(self, store: SqliteStore) -> None:
+        """Let the database file grow no more: the next write that needs a page fails FULL."""
+        with contextlib.closing(sqlite3.connect(store.path)) as conn:
+            pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        self.pragmas = [f"PRAGMA max_page_count = {pages}"]
+
+    def lift(self) -> None:
+        self.pragmas = [UNLIMITED]
 
 
 @pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
-    made = SqliteStore(tmp_path / "runs.db", close_timeout=0.5)
+def disk() -> FullDisk:
+    """The hooks of the ``store`` fixture."""
+    return FullDisk()
+
+
+@pytest.fixture
+async def store(tmp_path: Path, disk: FullDisk) -> AsyncIterator[SqliteStore]:
+    made = SqliteStore(tmp_path / "runs.db", close_timeout=0.5, hooks=disk)
     try:
         yield made
     finally:
-        lift(made)
+        disk.lift()
         await made.aclose()
 
 
 BIG = "x" * 200_000  # a delta that needs new pages
 
 
-async def test_a_full_disk_holds_writes_refuses_new_runs_and_catches_up(store):
+async def test_a_full_disk_holds_writes_refuses_new_runs_and_catches_up(store, disk):
     health = HealthLog(store)
     state = await running(store, "r1")
-    fill(store)
+    disk.fill(store)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(store.append, state.delta(BIG, time=103.0))
         failing = await health.wait_for(writable=False)
@@ -79,7 +95,7 @@ async def test_a_full_disk_holds_writes_refuses_new_runs_and_catches_up(store):
         stored = await store.get("r1")
         assert stored is not None and stored.status is RunStatus.RUNNING
         # the held write waits; the disk gets room; it is made, in order
-        lift(store)
+        disk.lift()
         assert (await health.wait_for(writable=True)).writable
     await store.append(state.transition(RunStatus.SUCCEEDED, time=104.0))
     events = await store.events("r1")
@@ -90,10 +106,11 @@ async def test_a_full_disk_holds_writes_refuses_new_runs_and_catches_up(store):
 
 async def test_closing_while_the_disk_is_full_gives_up_after_close_timeout(tmp_path):
     path = tmp_path / "runs.db"
-    store = SqliteStore(path, close_timeout=0.5)
+    disk = FullDisk()
+    store = SqliteStore(path, close_timeout=0.5, hooks=disk)
     health = HealthLog(store)
     state = await running(store, "r1")
-    fill(store)
+    disk.fill(store)
     failed: list[BaseException] = []
 
     async def append_big() -> None:
@@ -129,9 +146,9 @@ def node_on(store: SqliteStore, adapter: ScriptedAdapter) -> Node:
     )
 
 
-async def lift_after(store: SqliteStore, seconds: float) -> None:
+async def lift_after(disk: FullDisk, seconds: float) -> None:
     await trio.sleep(seconds)
-    lift(store)
+    disk.lift()
 
 
 async def started(node: Node, run_id: str) -> None:
@@ -143,7 +160,7 @@ async def started(node: Node, run_id: str) -> None:
     raise AssertionError(f"run {run_id} ended without starting")
 
 
-async def test_a_store_outage_stops_running_runs_and_the_store_catches_up(store):
+async def test_a_store_outage_stops_running_runs_and_the_store_catches_up(store, disk):
     adapter = ScriptedAdapter()
     node = node_on(store, adapter)
     health = HealthLog(store)
@@ -154,7 +171,7 @@ async def test_a_store_outage_stops_running_runs_and_the_store_catches_up(store)
         with trio.fail_after(LIMIT):
             while (await watcher.__anext__()).kind is not EventKind.STARTED:
                 pass
-        fill(store)
+        disk.fill(store)
         adapter.script(run).delta(BIG)  # its write cannot be made
         await health.wait_for(writable=False)
         assert metrics.health() == (False, f"store: the run store {store.health()}")
@@ -174,7 +191,7 @@ async def test_a_store_outage_stops_running_runs_and_the_store_catches_up(store)
         assert stored is not None and stored.status is RunStatus.RUNNING
         assert node.manager.live_count() == 1  # known until the store has its end
         # the disk gets room: the store catches up without a restart
-        lift(store)
+        disk.lift()
         await health.wait_for(writable=True)
         with trio.fail_after(LIMIT):
             await node.manager.wait_idle()
@@ -265,22 +282,23 @@ async def test_a_create_the_full_disk_holds_is_withdrawn_when_cancelled_and_neve
     gives up (a cancel: the run manager's bound), then withdrawn and never written,
     however long the disk takes to get room. The store finds the room by itself (no
     write is left to find it) and takes runs again."""
-    store = SqliteStore(tmp_path / "runs.db", close_timeout=0.5, check_interval=0.05)
+    disk = FullDisk()
+    store = SqliteStore(tmp_path / "runs.db", close_timeout=0.5, check_interval=0.05, hooks=disk)
     health = HealthLog(store)
     try:
         await created(store, "before")
-        fill(store)
+        disk.fill(store)
         state, first = new_run("orphan", prompt=BIG)
         async with trio.open_nursery() as bound:
             # a create the full disk held for good would hold the test too: the disk gets
             # room after LIMIT, and the run is stored then (as it was before the fix)
-            bound.start_soon(lift_after, store, LIMIT)
+            bound.start_soon(lift_after, disk, LIMIT)
             with trio.move_on_after(0.5) as given_up:
                 await store.create(state.record, first)
             bound.cancel_scope.cancel()
         assert given_up.cancelled_caught
         assert not store.health().writable
-        lift(store)
+        disk.lift()
         await health.wait_for(writable=True)
         await store.sync()
         assert [r.run_id for r in await store.list_runs()] == ["before"]
@@ -290,12 +308,12 @@ async def test_a_create_the_full_disk_holds_is_withdrawn_when_cancelled_and_neve
         assert await store.get("orphan") == again.record
         assert [h.writable for h in health.seen] == [False, True]
     finally:
-        lift(store)
+        disk.lift()
         await store.aclose()
 
 
 @pytest.mark.parametrize("room", [True, False])
-async def test_a_run_created_while_the_disk_is_full_is_refused_after_store_grace(store, room):
+async def test_a_run_created_while_the_disk_is_full_is_refused_after_store_grace(store, disk, room):
     """issue 19: a run created while the disk is full waited until space returned, its
     caller timed out not knowing its id, and the run was stored later. Now submit raises
     StoreUnavailable after store_grace, whether the run took a permit to start at once or
@@ -310,15 +328,15 @@ async def test_a_run_created_while_the_disk_is_full_is_refused_after_store_grace
                 run = await node.manager.submit(RunSpec("scripted/m", "p"))
                 await started(node, run.record.run_id)
                 busy.append(run.record)
-        fill(store)
+        disk.fill(store)
         async with trio.open_nursery() as bound:
             # a create the full disk holds for good would hold the test too: the disk gets
             # room after LIMIT, and the run is stored then (as it was before this was fixed)
-            bound.start_soon(lift_after, store, LIMIT)
+            bound.start_soon(lift_after, disk, LIMIT)
             with pytest.raises(StoreUnavailable, match=r"within 0\.5s"):
                 await node.manager.submit(RunSpec("scripted/m", BIG, run_id="orphan"))
             bound.cancel_scope.cancel()
-        lift(store)
+        disk.lift()
         assert "orphan" not in adapter.started
         assert "orphan" not in {r.run_id for r in node.manager.live_records()}
         assert node.gate.statistics().queued == 0

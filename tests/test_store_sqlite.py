@@ -1,7 +1,7 @@
 """What only the SQLite store has: a file, a writer thread, group commit, a schema version.
 
 These tests wait on a real thread, so they use no mock clock; they hold the
-writer at a known point with the store's ``_before_batch`` test seam instead
+writer at a known point with the store's ``hooks`` test seam instead
 of sleeping, and every wait is bounded.
 """
 
@@ -30,12 +30,8 @@ from iop_trio.model import EventKind, RunEvent, RunRecord, RunStatus
 from iop_trio.runtime import Usage
 from iop_trio.store import RunStore, StoreError, StoreUnavailable
 from iop_trio.store.memory import MemoryStore
-from iop_trio.store.sqlite import (
-    _MIGRATE_1_TO_2,
-    SCHEMA_VERSION,
-    SqliteStore,
-    usage_totals_sql,
-)
+from iop_trio.store.sqlite import SCHEMA_VERSION, SqliteStore, SqliteStoreHooks, usage_totals_sql
+from iop_trio.store.sqlite_schema import MIGRATE_1_TO_2
 
 from .support import HealthLog, logged, read_only
 from .test_store_contract import created, finished, new_run, running, seqs
@@ -44,25 +40,39 @@ LIMIT = 20  # seconds; a generous bound for anything that waits on the writer th
 
 
 @pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
-    made = SqliteStore(tmp_path / "runs.db")
+def gate() -> WriterGate:
+    """The hooks of the ``store`` fixture: a gate that holds nothing until told to."""
+    return WriterGate()
+
+
+@pytest.fixture
+async def store(tmp_path: Path, gate: WriterGate) -> AsyncIterator[SqliteStore]:
+    made = SqliteStore(tmp_path / "runs.db", hooks=gate)
     try:
         yield made
     finally:
         await made.aclose()
 
 
-class WriterGate:
-    """Holds the writer thread before each batch (after taking it) until released."""
+class WriterGate(SqliteStoreHooks):
+    """A store's hooks: once :meth:`hold` is called, holds the writer thread before each
+    batch (after taking it) until released, and notes each batch's labels."""
 
-    def __init__(self, store: SqliteStore) -> None:
+    def __init__(self) -> None:
         self.batches: list[list[str]] = []
         self._entered = threading.Event()
         self._go = threading.Event()
-        self._holding = True
-        store._before_batch = self._hook
+        self._armed = False
+        self._holding = False
 
-    def _hook(self, labels: list[str]) -> None:
+    def hold(self) -> WriterGate:
+        """Hold every batch from now on, until :meth:`release`."""
+        self._armed = self._holding = True
+        return self
+
+    def before_batch(self, labels: list[str]) -> None:
+        if not self._armed:
+            return
         self.batches.append(labels)
         if self._holding:
             self._entered.set()
@@ -157,9 +167,9 @@ async def test_database_work_runs_off_the_trio_thread(tmp_path, monkeypatch):
         return real_connect(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(sqlite3, "connect", connect)
-    store = SqliteStore(tmp_path / "runs.db")
-    gate = WriterGate(store)
-    gate.release()
+    gate = WriterGate()
+    store = SqliteStore(tmp_path / "runs.db", hooks=gate)
+    gate.hold().release()
     try:
         state = await running(store, "r1")
         assert await store.get("r1") == state.record
@@ -230,7 +240,7 @@ async def test_a_version_2_store_is_migrated_with_its_usage_in_numbers(tmp_path)
     before holds one token, and a run it left RUNNING is interrupted with those."""
     path = tmp_path / "runs.db"
     raw = sqlite3.connect(path)
-    for statement in (*V1_SCHEMA, *_MIGRATE_1_TO_2):
+    for statement in (*V1_SCHEMA, *MIGRATE_1_TO_2):
         raw.execute(statement)
     run = "INSERT INTO runs VALUES (?, ?, 'echo/m', ?, 0, 1.0, 'abcdefgh', '[]', '{}', 2.0, ?, "
     run += "'', '', ?, ?, 't', 0, NULL)"
@@ -357,9 +367,9 @@ async def test_a_missing_directory_is_a_store_error(tmp_path):
 # --- cancellation -----------------------------------------------------------------------------
 
 
-async def test_append_cancelled_while_waiting_is_written(store):
+async def test_append_cancelled_while_waiting_is_written(store, gate):
     state = await running(store, "r1")
-    gate = WriterGate(store)
+    gate.hold()
     outcome: dict[str, bool] = {}
 
     async def cancellable_append(event: RunEvent) -> None:
@@ -386,8 +396,8 @@ async def test_append_cancelled_while_waiting_is_written(store):
     assert await store.get("r1") == state.record
 
 
-async def test_create_cancelled_before_the_writer_took_it_stores_nothing(store):
-    gate = WriterGate(store)
+async def test_create_cancelled_before_the_writer_took_it_stores_nothing(store, gate):
+    gate.hold()
     state, first = new_run("r1")
     with trio.fail_after(LIMIT):
         async with trio.open_nursery() as nursery:
@@ -404,8 +414,8 @@ async def test_create_cancelled_before_the_writer_took_it_stores_nothing(store):
         assert gate.batches == [["create"]]
 
 
-async def test_create_cancelled_after_the_writer_took_it_completes(store):
-    gate = WriterGate(store)
+async def test_create_cancelled_after_the_writer_took_it_completes(store, gate):
+    gate.hold()
     state, first = new_run("r1")
     done: dict[str, bool] = {}
 
@@ -462,10 +472,10 @@ async def test_many_concurrent_appenders_get_contiguous_seqs_and_share_commits(s
         assert await store.get(run_id) == state.record
 
 
-async def test_a_bad_event_does_not_poison_its_batch(store):
+async def test_a_bad_event_does_not_poison_its_batch(store, gate):
     good = await running(store, "good")
     queued = await created(store, "queued")
-    gate = WriterGate(store)
+    gate.hold()
     results: dict[str, str] = {}
 
     def call(name: str, make_call: object) -> object:
@@ -529,9 +539,9 @@ async def test_a_bad_event_does_not_poison_its_batch(store):
     assert await store.get("new") == new_state.record
 
 
-async def test_creates_with_the_events_that_follow_go_in_bulk_with_the_rest(store):
+async def test_creates_with_the_events_that_follow_go_in_bulk_with_the_rest(store, gate):
     """A batch of creates that carry STARTED, and appends to those runs, is one commit."""
-    gate = WriterGate(store)
+    gate.hold()
     states = [new_run(f"r{i}") for i in range(3)]
     calls = []
     for state, first in states:
@@ -582,9 +592,10 @@ async def test_aclose_of_a_store_never_used(tmp_path):
 
 async def test_aclose_commits_what_was_taken_and_concurrent_closes_wait(tmp_path):
     path = tmp_path / "runs.db"
-    store = SqliteStore(path)
+    gate = WriterGate()
+    store = SqliteStore(path, hooks=gate)
     state = await running(store, "r1")
-    gate = WriterGate(store)
+    gate.hold()
     closed: list[int] = []
 
     async def close(n: int) -> None:
@@ -739,18 +750,26 @@ async def test_same_answers_as_the_memory_store(ops):
 # --- bulk writes ------------------------------------------------------------------------------
 
 
-async def test_a_batch_that_fails_in_bulk_is_made_job_by_job(store):
-    """A batch is written with a few multi-row statements; when that fails (here a stale
-    fold makes an event clash with a stored one), it is made again job by job, and only
-    the job at fault is refused."""
-    await running(store, "stale")
+async def test_a_batch_that_fails_in_bulk_is_made_job_by_job(store, gate):
+    """A batch is written with a few multi-row statements; when that fails (here a fold
+    made stale by another writer makes an event clash with a stored one), it is made
+    again job by job, and only the job at fault is refused."""
+    stale = await running(store, "stale")
     fine = await running(store, "fine")
-    store._folds["stale"].last_seq = 1  # as if its STARTED were not stored
-    clash = RunEvent("stale", 2, EventKind.DELTA, 5.0, text="clash")
+    # another writer adds an event to "stale": the writer's fold of it is stale now
+    late = stale.delta("late", time=4.0)
+    with contextlib.closing(sqlite3.connect(store.path, isolation_level=None)) as other:
+        other.execute(
+            "INSERT INTO events (run_id, seq, kind, time, text, reason, message) "
+            "VALUES (?, ?, 'delta', ?, ?, '', '')",
+            (late.run_id, late.seq, late.time, late.text),
+        )
+        other.execute("UPDATE runs SET last_seq = ? WHERE run_id = 'stale'", (late.seq,))
+    clash = RunEvent("stale", 3, EventKind.DELTA, 5.0, text="clash")
     new, first = new_run("new")
     queued = attrs.evolve(new.record)
     started = new.transition(RunStatus.RUNNING, time=5.0)
-    gate = WriterGate(store)
+    gate.hold()
     errors: list[StoreError] = []
 
     async def append_clash() -> None:
@@ -772,12 +791,30 @@ async def test_a_batch_that_fails_in_bulk_is_made_job_by_job(store):
                 )
         assert gate.batches[-1] == ["append", "append", "create"]  # one batch, every job
     assert len(errors) == 1
-    assert "seq 2 after 2" in str(errors[0])
-    assert await seqs(store, "stale") == [1, 2]
+    assert "seq 3 after 3" in str(errors[0])
+    assert await seqs(store, "stale") == [1, 2, 3]
     assert [e.text for e in await store.events("fine", after_seq=2)] == ["ok"]
     assert await store.events("new") == [first, started]
     await store.append(new.delta("on", time=6.0))  # folds on from what the create stored
     assert await store.get("new") == new.record
+
+
+async def test_append_many_folds_runs_the_writer_has_forgotten(store):
+    """A failed job makes the writer forget the runs it folds in memory; append_many reloads
+    them from the file, as append does (it once refused them as unknown runs)."""
+    state = await running(store, "r1")
+    late = state.delta("late", time=4.0)  # another writer's: the writer's fold is stale
+    with contextlib.closing(sqlite3.connect(store.path, isolation_level=None)) as other:
+        other.execute(
+            "INSERT INTO events (run_id, seq, kind, time, text, reason, message) "
+            "VALUES ('r1', ?, 'delta', 4.0, 'late', '', '')",
+            (late.seq,),
+        )
+        other.execute("UPDATE runs SET last_seq = ? WHERE run_id = 'r1'", (late.seq,))
+    with pytest.raises(StoreError, match="seq 3 after 3"):
+        await store.append(RunEvent("r1", 3, EventKind.DELTA, 5.0, text="clash"))
+    await store.append_many([state.delta("on", time=6.0), state.delta("and on", time=7.0)])
+    assert await seqs(store, "r1") == [1, 2, 3, 4, 5]
 
 
 async def test_many_events_in_one_job_are_one_commit(store):
