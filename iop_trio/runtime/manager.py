@@ -14,6 +14,8 @@ Life of a run (one task each, started with ``nursery.start``):
    written under a shielded scope bounded by ``final_write_timeout``; that of a
    run that started carries its usage (see :meth:`RunManager._finish`).
 
+A live run's phase moves along :data:`~.live.PHASE_MOVES` (see :mod:`.live`); the
+chunks-to-deltas relay is :mod:`.pipeline`'s, what a run reserves :mod:`.reservation`'s.
 Foreground and background runs take exactly this path; the only difference
 is that :meth:`RunManager.abandon` cancels the foreground runs of an owner
 (a lost session). A run task never raises into the nursery: any failure ends
