@@ -233,7 +233,7 @@ async def test_kill_9_mid_stream_of_merged_batched_deltas_leaves_a_whole_log(tmp
     client got are not in the store."""
     from iop_trio.edge import Edge
     from iop_trio.model import RunSpec
-    from iop_trio.runtime.manager import SYNC_EVERY
+    from iop_trio.runtime.live import SYNC_EVERY
 
     words = "".join(f"w{i} " for i in range(1000))
     repeat = 1000  # a million deltas: far more than the node sends before the kill

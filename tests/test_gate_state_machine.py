@@ -38,11 +38,23 @@ from iop_trio.runtime import (
     RuntimeLimits,
     TargetSpec,
 )
+from iop_trio.runtime.live import RunPhase
 from iop_trio.store.memory import MemoryStore
 
 from .support import ScriptedAdapter
 
 T = TypeVar("T")
+
+#: The record statuses a live run may have in each phase (a run whose end is being
+#: written has its terminal status already, in the phase it ends from).
+PHASE_STATUSES: dict[RunPhase, frozenset[RunStatus]] = {
+    RunPhase.ENTERING: frozenset({RunStatus.QUEUED, RunStatus.RUNNING}),
+    RunPhase.QUEUED: frozenset({RunStatus.QUEUED}),
+    RunPhase.ADMITTED: frozenset({RunStatus.QUEUED}),
+    RunPhase.STARTING: frozenset({RunStatus.RUNNING}),
+    RunPhase.RUNNING: frozenset({RunStatus.RUNNING}),
+    RunPhase.ENDED: frozenset(),
+}
 
 GLOBAL_LIMIT = 3
 MAX_QUEUED = 8
@@ -536,6 +548,26 @@ class GateMachine(RuleBasedStateMachine):
             if self._status(run_id) is RunStatus.QUEUED:
                 waited = self.snap.now - self.submitted_at[run_id]
                 assert waited < self._timeout(run_id), (run_id, waited)
+
+    @invariant()
+    def every_live_run_is_in_a_phase_its_state_agrees_with(self) -> None:
+        """A quiescent node's live runs are QUEUED (waiting in the gate, unless asked to
+        end) or RUNNING (holding a permit, its STARTED published)."""
+        assert self.host.call(self._phases_agree)
+
+    async def _phases_agree(self) -> bool:
+        for live in self.node.manager.runs:
+            run_id, status = live.state.record.run_id, live.state.status
+            assert status in PHASE_STATUSES[live.phase] or status.terminal, (run_id, live)
+            assert live.phase in (RunPhase.QUEUED, RunPhase.RUNNING), (run_id, live)
+            waiting = self.node.gate.is_waiting(live)
+            assert waiting == (live.phase is RunPhase.QUEUED and live.asked is None), live
+            assert (live.starting is not None) == (live.phase is RunPhase.STARTING), live
+            if live.phase is RunPhase.RUNNING:
+                assert live.permit is not None and not live.permit.released, live
+            if live.phase is RunPhase.QUEUED:
+                assert live.permit is None, live
+        return True
 
     @invariant()
     def event_logs_are_whole(self) -> None:

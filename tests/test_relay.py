@@ -17,13 +17,8 @@ import trio.testing
 from iop_trio.adapters.base import Adapter, AdapterRequest, Chunk, Completion, Delta
 from iop_trio.model import MAX_JOINED_TEXT, EventKind, RunEvent, RunSpec, TargetSpec, Usage
 from iop_trio.runtime import Node
-from iop_trio.runtime.manager import (
-    GATHER_LIMIT,
-    GATHER_TEXT,
-    SYNC_EVERY,
-    RunWatcher,
-    gathered,
-)
+from iop_trio.runtime.live import SYNC_EVERY, RunWatcher
+from iop_trio.runtime.pipeline import GATHER_LIMIT, GATHER_TEXT, gathered
 from iop_trio.store.memory import MemoryStore
 from iop_trio.store.sqlite import SqliteStore, SqliteStoreHooks
 

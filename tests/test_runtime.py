@@ -31,7 +31,7 @@ from iop_trio.runtime import (
     UnknownTarget,
     Usage,
 )
-from iop_trio.runtime.manager import EVENT_WINDOW
+from iop_trio.runtime.live import EVENT_WINDOW
 from iop_trio.store import StoreUnavailable
 from iop_trio.store.memory import MemoryStore
 
@@ -867,7 +867,8 @@ async def test_a_long_run_keeps_a_window_and_a_late_watcher_reads_the_store():
         for i in range(count):
             script.delta(f"{i} ")
             await trio.testing.wait_all_tasks_blocked()  # one delta each: none joined
-        live = node.manager._live[run]
+        live = node.manager.runs.get(run)
+        assert live is not None
         assert len(live.events) == EVENT_WINDOW  # memory does not grow with the output
         assert live.events[-1].seq == count + 2
         # a watcher from the start: the store has what left the window, in order, no gap

@@ -212,7 +212,7 @@ async def test_a_tokenizer_that_fails_is_said_once_and_the_prompt_estimated():
             max_output_tokens=16,
             tokenizer="vllm",
         )
-        with logged("iop_trio.runtime.manager") as records:
+        with logged("iop_trio.runtime.reservation") as records:
             async with node.running():
                 for _ in range(2):
                     record, _ = await run_to_end(node, RunSpec("vllm/qwen", "count me"))

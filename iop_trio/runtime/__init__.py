@@ -24,7 +24,8 @@ from ..model import (
     Usage,
 )
 from .gate import Gate, GateRejected, GateStatistics, Permit
-from .manager import CancelOutcome, RunManager, RunWatcher, Submitted
+from .live import RunWatcher
+from .manager import CancelOutcome, RunManager, Submitted
 from .node import AdapterSlot, Node, RuntimeLimits
 
 __all__ = [

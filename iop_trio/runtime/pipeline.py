@@ -1,0 +1,264 @@
+"""The stream pipeline: an engine's chunks become a run's delta events, within its bounds.
+
+:func:`gathered` reads an adapter's stream in a task of its own and hands the run its
+chunks in batches; :class:`StreamRelay` joins each batch into as few delta events as
+:data:`~iop_trio.model.MAX_JOINED_TEXT` allows, stops a run whose output passes its
+target's ``max_output_bytes``, and says how the run's engine answered.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+
+from ..adapters.base import Adapter, AdapterError, AdapterRequest, Chunk, Delta
+from ..model import MAX_JOINED_TEXT, RunStatus, TargetSpec, Usage
+from .gate import Permit
+from .live import LiveRun, LiveRuns, Outcome
+
+log = logging.getLogger(__name__)
+
+#: The most chunks :func:`gathered` reads ahead of the run that takes them.
+GATHER_LIMIT = 256
+#: The most characters of text :func:`gathered` reads ahead (so a run held up, by a
+#: store that is slow to write say, does not keep reading its engine into memory).
+GATHER_TEXT = 256 * 1024
+
+#: Called as ``(target, sent, error)`` by a run that reached its engine and ended by
+#: itself: ``sent`` is when its request went out (``trio.current_time()``), ``error`` the
+#: AdapterError that ended it, None if it SUCCEEDED. A run that was cancelled, stopped
+#: or passed a bound of the node's own says nothing of its engine and is not told.
+EngineAnswered = Callable[[str, float, AdapterError | None], None]
+#: Told, as a run's first token comes, its permit and the seconds since its request went out.
+FirstToken = Callable[[Permit, float], None]
+
+
+class Batches:
+    """The chunks a :func:`gathered` reader has taken, a batch at a time."""
+
+    def __init__(self, receive: trio.MemoryReceiveChannel[Chunk | Exception]) -> None:
+        self._receive = receive
+        self._error: Exception | None = None
+        self.text = 0  # characters of delta text read and not yet taken
+        self.room = trio.lowlevel.ParkingLot()  # the reader, waiting for the text to go
+
+    def __repr__(self) -> str:
+        waiting = self._receive.statistics().current_buffer_used
+        return f"<gathered chunks waiting={waiting} text={self.text}>"
+
+    def __aiter__(self) -> Batches:
+        return self
+
+    async def __anext__(self) -> list[Chunk]:
+        if self._error is not None:
+            raise self._error
+        try:
+            item = await self._receive.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+        batch: list[Chunk] = []
+        while True:
+            if isinstance(item, Exception):
+                if not batch:
+                    raise item
+                self._error = item  # raised at the next call, after this batch
+                break
+            batch.append(item)
+            if isinstance(item, Delta):
+                self.text -= len(item.text)
+            try:
+                item = self._receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+        self.room.unpark_all()
+        return batch
+
+
+async def _read_ahead(
+    chunks: AsyncIterator[Chunk],
+    send: trio.MemorySendChannel[Chunk | Exception],
+    batches: Batches,
+) -> None:
+    """Read ``chunks`` into ``send`` within the bounds :func:`gathered` states."""
+    with send:
+        try:
+            async for chunk in chunks:
+                if isinstance(chunk, Delta):
+                    batches.text += len(chunk.text)
+                try:
+                    # no checkpoint while there is room: the next chunk is read at
+                    # once if it is here, so chunks gather until a network read
+                    send.send_nowait(chunk)
+                except trio.WouldBlock:
+                    await send.send(chunk)
+                while batches.text > GATHER_TEXT:
+                    await batches.room.park()
+        except Exception as exc:  # delivered in order, raised by the run
+            await send.send(exc)
+
+
+@asynccontextmanager
+async def gathered(chunks: AsyncIterator[Chunk]) -> AsyncIterator[AsyncIterator[list[Chunk]]]:
+    """Read ``chunks`` in a task of its own and yield them in batches: each batch is every
+    chunk that came while the run taking them was busy (storing and publishing its
+    events), in order, so a run that is behind takes one batch a wakeup, not one chunk.
+
+    A run that keeps up gets each chunk as it comes, alone: the reading task gives way
+    at each network read (at each checkpoint of ``chunks``), and the run wakes then. At
+    most :data:`GATHER_LIMIT` chunks, and :data:`GATHER_TEXT` characters of text (and
+    the chunk that passed it), are read ahead; then the reading task waits, and so does
+    the engine's connection. An exception from ``chunks`` (an AdapterError) is raised
+    after the chunks before it have been taken. Leaving the block cancels the reading
+    task; ``chunks`` is then closed by its owner, as before (an adapter's stream must,
+    as trio asks of every async generator, hold no cancel scope across a yield).
+    """
+    send, receive = trio.open_memory_channel[Chunk | Exception](GATHER_LIMIT)
+    batches = Batches(receive)
+    # What leaves the block is raised as it is, after the nursery, not in a group (the
+    # run tells a node's shutdown by trio.Cancelled); the channels close without a
+    # checkpoint (one in the cancelled nursery would raise Cancelled in place of that
+    # exception, and the nursery would swallow it).
+    leaving: BaseException | None = None
+    with receive:
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_read_ahead, chunks, send, batches)
+                try:
+                    yield batches
+                except BaseException as exc:
+                    leaving = exc
+                finally:
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # the reader raises nothing but Cancelled (its errors go through the
+            # channel), from a cancel of a scope around this block: raise that
+            leaving = leaving or group.exceptions[0]
+    if leaving is not None:
+        raise leaving
+
+
+@attrs.define
+class _Pending:
+    """The pieces of text of the next delta event, their size and engine tokens."""
+
+    text: list[str] = attrs.field(factory=list)
+    size: int = 0
+    tokens: int = 0
+
+    def add(self, delta: Delta) -> None:
+        self.text.append(delta.text)
+        self.size += len(delta.text)
+        self.tokens += delta.tokens
+
+
+@attrs.define
+class _Relayed:
+    """What a run's stream has brought so far."""
+
+    sent: float  # when the request went out (trio time)
+    max_output: float  # its target's max_output_bytes (math.inf: none)
+    output: int = 0  # bytes of delta text
+    first: float | None = None  # when its first token came (trio time)
+    usage: Usage | None = None  # its engine's Completion's
+    completed: bool = False  # a Completion came: what follows is ignored
+
+
+@attrs.define(eq=False)
+class StreamRelay:
+    """Relays an admitted run's engine stream as its delta events (see the module
+    docstring); the events are written (stored, then published) by ``runs``."""
+
+    runs: LiveRuns
+    wall_clock: Callable[[], float]
+    engine_answered: EngineAnswered | None = None
+    first_token: FirstToken | None = None
+
+    async def relay(
+        self, live: LiveRun, adapter: Adapter, request: AdapterRequest, target: TargetSpec
+    ) -> Outcome:
+        """Relay the adapter's stream as delta events. The chunks that came in while the
+        run was busy (the engine is faster than one event a chunk) become one delta:
+        the same text in the same order, fewer events (see :func:`gathered`)."""
+        limit = target.max_output_bytes
+        sent = live.sent_at = trio.current_time()
+        relayed = _Relayed(sent, math.inf if limit is None else limit)
+        try:
+            async with adapter.open_stream(request) as chunks, gathered(chunks) as batches:
+                async for batch in batches:
+                    stopped = await self._take(live, batch, relayed, target)
+                    if stopped is not None:
+                        return stopped
+        except AdapterError as exc:
+            if self.engine_answered is not None:
+                self.engine_answered(target.name, sent, exc)
+            return Outcome(RunStatus.FAILED, exc.reason, exc.message, retry_after=exc.retry_after)
+        if self.engine_answered is not None:
+            self.engine_answered(target.name, sent, None)
+        return self._succeeded(live, relayed)
+
+    async def _take(
+        self, live: LiveRun, batch: list[Chunk], relayed: _Relayed, target: TargetSpec
+    ) -> Outcome | None:
+        """Write one batch of chunks as delta events; the run's end if its output passed
+        its bound (the chunk that passed it is neither sent nor counted), else None."""
+        pending = _Pending()
+        for chunk in batch:
+            if relayed.completed:
+                # the first Completion ends the run; the adapter may still be reading
+                # the end of its response (so its connection is reused)
+                log.debug(
+                    "run %s: %r after the completion ignored", live.state.record.run_id, chunk
+                )
+            elif isinstance(chunk, Delta):
+                relayed.output += len(chunk.text.encode())
+                if relayed.output > relayed.max_output:
+                    await self._write_text(live, pending)
+                    return Outcome(
+                        RunStatus.FAILED,
+                        "output_limit",
+                        f"the output passed {target.max_output_bytes} bytes "
+                        f"(max_output_bytes of {target.name}); the engine was stopped",
+                    )
+                if pending.size and pending.size + len(chunk.text) > MAX_JOINED_TEXT:
+                    await self._write_text(live, pending)
+                    pending = _Pending()
+                pending.add(chunk)
+                if relayed.first is None:
+                    self._first_came(live, relayed)
+            else:
+                relayed.usage = chunk.usage
+                relayed.completed = True
+        await self._write_text(live, pending)
+        return None
+
+    def _first_came(self, live: LiveRun, relayed: _Relayed) -> None:
+        first = relayed.first = live.first_at = trio.current_time()
+        if self.first_token is not None and live.permit is not None:
+            self.first_token(live.permit, first - relayed.sent)
+
+    def _succeeded(self, live: LiveRun, relayed: _Relayed) -> Outcome:
+        """SUCCEEDED, with the run's time to first token and per output token after it."""
+        ttft = tpot = None
+        first = relayed.first
+        if first is not None:
+            ttft = first - relayed.sent
+            usage = relayed.usage
+            made = usage.completion_tokens if usage is not None else None
+            made = live.delta_tokens if made is None else made
+            if made >= 2:
+                tpot = (trio.current_time() - first) / (made - 1)
+        return Outcome(RunStatus.SUCCEEDED, usage=relayed.usage, ttft=ttft, tpot=tpot)
+
+    async def _write_text(self, live: LiveRun, pending: _Pending) -> None:
+        """Write the pending text as one delta event (none if it is empty), and count its
+        engine tokens as the run's."""
+        joined = "".join(pending.text)
+        if joined:
+            event = live.state.delta(joined, time=self.wall_clock(), tokens=pending.tokens)
+            live.delta_tokens += pending.tokens
+            await self.runs.write(live, event)
