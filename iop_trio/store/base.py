@@ -21,6 +21,9 @@ from typing import Literal
 import attrs
 import trio
 
+# the store's failures live below the protocol's error table that names them (re-exported)
+from ..failures import StoreError as StoreError
+from ..failures import StoreUnavailable as StoreUnavailable
 from ..lifecycle import fold
 from ..model import (
     CHARS_PER_TOKEN,
@@ -32,14 +35,6 @@ from ..model import (
     estimate_prompt_tokens,
     settle_usage,
 )
-
-
-class StoreError(Exception):
-    """The store could not do what was asked (I/O, corruption, a refused event)."""
-
-
-class StoreUnavailable(StoreError):
-    """The store cannot write now (disk full, I/O error): nothing was changed; retry later."""
 
 
 @attrs.frozen

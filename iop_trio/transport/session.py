@@ -58,19 +58,17 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 from ..protocol import ProtocolError, ProtoConnection, Reply, Request, Role, StaleReply, pb
 from ..protocol.convert import merge_deltas
 
+# the failures of an exchange, and a gatekeeper's answer, are the protocol's error table's
+# (re-exported: these are their public names on the transport)
+from ..protocol.errors import Refusal as Refusal
+from ..protocol.errors import RemoteError as RemoteError
+from ..protocol.errors import ReplyTimeout as ReplyTimeout
+from ..protocol.errors import SessionClosed as SessionClosed
+from ..protocol.errors import TooLate as TooLate
+
 log = logging.getLogger(__name__)
 
 RequestHandler = Callable[["ProtoSession", Request], Awaitable[None]]
-
-
-@attrs.frozen
-class Refusal:
-    """A request's answer when a gatekeeper turns it away: an error code, a message and
-    a retry hint in seconds (None: none)."""
-
-    code: int
-    message: str
-    retry_after: float | None = None
 
 
 #: Says whether a request may be queued: None, or the Refusal that answers it at once.
@@ -81,30 +79,6 @@ STREAM_BUFFER = 10_000
 #: The close code of a session whose peer does not read what it is sent (policy violation).
 CLOSE_NOT_READING = 1008
 _session_ids = itertools.count(1)
-
-
-class SessionClosed(Exception):
-    """The session ended before the answer came."""
-
-
-class ReplyTimeout(Exception):
-    """The peer did not answer (or did not go on with a stream) in time."""
-
-
-class TooLate(Exception):
-    """The sender of a request gives up (its ``answer_within``) before an answer could
-    reach it, so the request is not begun: answered UNAVAILABLE."""
-
-
-class RemoteError(Exception):
-    """The peer answered with an Error envelope; ``retry_after`` (seconds) is its hint
-    of when to try again, None if it gave none."""
-
-    def __init__(self, code: int, message: str, retry_after: float | None = None) -> None:
-        super().__init__(f"{pb.ErrorCode.Name(code)}: {message}")
-        self.code = code
-        self.message = message
-        self.retry_after = retry_after
 
 
 #: Seconds :meth:`ProtoSession.aclose` waits for what was sent to be written.
