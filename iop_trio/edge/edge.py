@@ -511,7 +511,7 @@ class Edge:
                     raise NoNode(f"no run {run_id!r}")  # another's run is no run to this one
                 handle = await self.owner_of(run_id)
                 ack, within = self._relay_bounds(session, request.nonce)
-                async with handle.request_stream(
+                async with handle.stream(
                     request.kind, request.message, ack_timeout=ack, answer_within=within
                 ) as replies:
                     async for reply in replies:
@@ -569,7 +569,7 @@ class Edge:
         run_id = ""
         finished = False
         try:
-            async with handle.request_stream(
+            async with handle.stream(
                 "run_request", message, ack_timeout=ack, answer_within=within
             ) as replies:
                 async for reply in replies:
