@@ -49,6 +49,7 @@ from .model import (
     InvalidRequest,
     Limits,
     RunEvent,
+    RunQuery,
     RunRecord,
     RunSpec,
     RunStatus,
@@ -415,7 +416,7 @@ async def runs_list(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> 
     try:
         statuses = [RunStatus(s) for s in ns.status or ()]
         records = await store.list_runs(
-            statuses=statuses, target=ns.target or "", tenant=ns.tenant, limit=ns.limit
+            RunQuery(statuses, target=ns.target or "", tenant=ns.tenant, limit=ns.limit)
         )
     finally:
         await store.aclose()

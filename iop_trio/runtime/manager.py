@@ -32,7 +32,6 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
-    Collection,
     Hashable,
     Iterator,
     Mapping,
@@ -48,12 +47,14 @@ from ..adapters.base import Adapter, AdapterError, AdapterRequest, Chunk, Delta
 from ..lifecycle import TRANSITIONS, RunState
 from ..model import (
     CHARS_PER_TOKEN,
+    LATEST_RUNS,
     MAX_JOINED_TEXT,
     MAX_OUTPUT_TOKENS,
     EventKind,
     InvalidRequest,
     NodeUnavailable,
     RunEvent,
+    RunQuery,
     RunRecord,
     RunSpec,
     RunStatus,
@@ -1266,23 +1267,9 @@ class RunManager:
             return attrs.evolve(live.state.record)
         return await self._store.get(run_id)
 
-    async def list_runs(
-        self,
-        *,
-        statuses: Collection[RunStatus] = (),
-        target: str = "",
-        tenant: str | None = None,
-        run_id_prefix: str = "",
-        limit: int = 100,
-    ) -> list[RunRecord]:
+    async def list_runs(self, query: RunQuery = LATEST_RUNS) -> list[RunRecord]:
         """See :meth:`RunStore.list_runs`."""
-        return await self._store.list_runs(
-            statuses=statuses,
-            target=target,
-            tenant=tenant,
-            run_id_prefix=run_id_prefix,
-            limit=limit,
-        )
+        return await self._store.list_runs(query)
 
     async def events(
         self, run_id: str, *, after_seq: int = 0, limit: int | None = None

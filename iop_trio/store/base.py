@@ -15,7 +15,7 @@ once it writes again.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import attrs
@@ -27,8 +27,10 @@ from ..failures import StoreUnavailable as StoreUnavailable
 from ..lifecycle import fold
 from ..model import (
     CHARS_PER_TOKEN,
+    LATEST_RUNS,
     Prompted,
     RunEvent,
+    RunQuery,
     RunRecord,
     RunStatus,
     Usage,
@@ -181,20 +183,9 @@ class RunStore(abc.ABC):
         """A copy of the run's record, or None."""
 
     @abc.abstractmethod
-    async def list_runs(
-        self,
-        *,
-        statuses: Collection[RunStatus] = (),
-        target: str = "",
-        tenant: str | None = None,
-        run_id_prefix: str = "",
-        limit: int = 100,
-    ) -> list[RunRecord]:
-        """Runs, newest (last created) first; empty ``statuses`` / ``target`` /
-        ``run_id_prefix`` and a ``tenant`` of None match any ("" is the default tenant).
-
-        At most ``limit`` runs; none for ``limit`` <= 0.
-        """
+    async def list_runs(self, query: RunQuery = LATEST_RUNS) -> list[RunRecord]:
+        """Copies of the records of the runs ``query`` asks for, newest (last created)
+        first (see :class:`~iop_trio.model.RunQuery`)."""
 
     @abc.abstractmethod
     async def events(

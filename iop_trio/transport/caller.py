@@ -8,19 +8,19 @@ arrive as :class:`RemoteError`; a lost session as :class:`SessionClosed`.
 from __future__ import annotations
 
 import ssl
-from collections.abc import AsyncIterator, Collection, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import trio
 from google.protobuf.message import Message
 
-from ..model import RunEvent, RunSpec, RunStatus, TenantLimits
+from ..model import LATEST_RUNS, RunEvent, RunQuery, RunSpec, TenantLimits
 from ..protocol import Role, pb
 from ..protocol.convert import (
     TERMINAL_STATUSES_PB,
     event_from_pb,
+    query_to_pb,
     request_from_spec,
-    status_to_pb,
     tenant_limits_to_pb,
 )
 from .session import ProtoSession, ReplyStream, SessionClosed, SessionSettings
@@ -203,21 +203,10 @@ class RunnerClient:
             assert isinstance(info, pb.RunInfo)
             yield _Followed(self, replies, info)
 
-    async def list_runs(
-        self,
-        *,
-        statuses: Collection[RunStatus] = (),
-        target: str = "",
-        tenant: str | None = None,
-        limit: int = 100,
-    ) -> list[pb.RunSummary]:
-        """Runs, newest first; empty ``statuses`` / ``target`` and ``tenant`` None match any."""
-        request = pb.ListRuns(
-            statuses=[status_to_pb(s) for s in statuses], target=target, limit=limit
-        )
-        if tenant is not None:
-            request.tenant = tenant
-        reply = await self.call("list_runs", request)
+    async def list_runs(self, query: RunQuery = LATEST_RUNS) -> list[pb.RunSummary]:
+        """The runs ``query`` asks for, newest first (:class:`~iop_trio.model.RunQuery`;
+        through an edge with identities, only the caller's own, whatever its prefix)."""
+        reply = await self.call("list_runs", query_to_pb(query))
         assert isinstance(reply, pb.RunList)
         return list(reply.runs)
 

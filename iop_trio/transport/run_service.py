@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import logging
 
+import attrs
+
 from ..model import UnknownRun
 from ..protocol import Request, pb
 from ..protocol.convert import (
     event_to_pb,
     limits_to_pb,
+    query_from_pb,
     spec_from_request,
-    status_from_pb,
     status_to_pb,
     summary_from_record,
     tenant_limits_from_pb,
@@ -151,14 +153,9 @@ class RunService:
             await self._stream(session, nonce, message.run_id, after_seq=after)
 
     async def _on_list_runs(self, session: ProtoSession, nonce: int, message: pb.ListRuns) -> None:
-        statuses = [status_from_pb(s) for s in message.statuses]
-        limit = min(message.limit or 100, MAX_LIST)
+        query = query_from_pb(message)
         records = await self.node.manager.list_runs(
-            statuses=statuses,
-            target=message.target,
-            tenant=message.tenant if message.HasField("tenant") else None,
-            run_id_prefix=message.run_id_prefix,
-            limit=limit,
+            attrs.evolve(query, limit=min(query.limit, MAX_LIST))
         )
         await session.reply(
             nonce, "run_list", pb.RunList(runs=[summary_from_record(r) for r in records])
