@@ -136,12 +136,13 @@ class ReplyStream:
 
     Iteration ends after the final reply. An Error reply raises RemoteError;
     the session ending early raises SessionClosed. The session's protocol
-    state keeps the stream as the waiter of its request's nonce.
+    state ``conn`` keeps the stream as the waiter of its request's nonce, and
+    the session's reader gives it each reply (:meth:`deliver`).
     """
 
     def __init__(
         self,
-        session: ProtoSession,
+        conn: ProtoConnection[ReplyStream],
         kind: str,
         message: Message,
         *,
@@ -149,11 +150,9 @@ class ReplyStream:
         idle_timeout: float | None = None,
         answer_within: float = 0.0,
     ) -> None:
-        self._session = session
+        self._conn = conn
         self.kind = kind
-        self.nonce, self.frame = session._conn.request(
-            kind, message, self, answer_within=answer_within
-        )
+        self.nonce, self.frame = conn.request(kind, message, self, answer_within=answer_within)
         self._send, self._receive = trio.open_memory_channel[Reply[ReplyStream] | BaseException](
             STREAM_BUFFER
         )
@@ -166,12 +165,16 @@ class ReplyStream:
     def __repr__(self) -> str:
         return f"<ReplyStream nonce={self.nonce} done={self._done}>"
 
-    def _deliver(self, item: Reply[ReplyStream] | BaseException) -> None:
+    def deliver(self, item: Reply[ReplyStream] | BaseException) -> None:
+        """Hand the consumer a reply, or the exception its next ``__anext__`` raises; the
+        session's reader calls it, never waiting. A consumer that is
+        :data:`STREAM_BUFFER` replies behind is cut off (its stream ends with
+        SessionClosed) rather than stall the reader, and drops whatever comes after."""
         try:
             self._send.send_nowait(item)
         except trio.WouldBlock:
             # the consumer is far behind: end its stream rather than stall the reader
-            self._session._conn.forget(self.nonce)
+            self._conn.forget(self.nonce)
             self._send.close()
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass
@@ -243,7 +246,7 @@ class ReplyStream:
     def close(self) -> None:
         """Stop listening; later replies are dropped."""
         self._done = True
-        self._session._conn.forget(self.nonce)
+        self._conn.forget(self.nonce)
 
 
 class ProtoSession:
@@ -340,7 +343,7 @@ class ProtoSession:
             self._stream_lot.unpark_all()
             for stream in self._conn.forget_all():
                 # one exception each: a shared one would grow its traceback with every raise
-                stream._deliver(SessionClosed(f"session {self.name} ended: {self.close_reason}"))
+                stream.deliver(SessionClosed(f"session {self.name} ended: {self.close_reason}"))
             self.ended.set()
         return self.close_reason
 
@@ -385,14 +388,14 @@ class ProtoSession:
                 self.bad_frames += 1
                 log.warning("session %s: bad frame: %s", self.name, exc.message)
                 if isinstance(exc.waiter, ReplyStream):
-                    exc.waiter._deliver(RemoteError(exc.code, exc.message))
+                    exc.waiter.deliver(RemoteError(exc.code, exc.message))
                 self._send_now(self._conn.error(exc.reply_to, exc.code, exc.message))
                 continue
             if isinstance(incoming, Request):
                 self._admit(incoming)
             elif isinstance(incoming, Reply):
                 if incoming.waiter is not None:
-                    incoming.waiter._deliver(incoming)
+                    incoming.waiter.deliver(incoming)
             elif isinstance(incoming, StaleReply):
                 log.debug(
                     "session %s: stale %s for %d", self.name, incoming.kind, incoming.reply_to
@@ -714,7 +717,7 @@ class ProtoSession:
         if self._closed:
             raise SessionClosed(f"session {self.name} is closed")
         return ReplyStream(
-            self,
+            self._conn,
             kind,
             message,
             ack_timeout=ack_timeout,
