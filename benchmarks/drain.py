@@ -30,7 +30,7 @@ import trio
 
 from iop_trio.adapters.echo import EchoAdapter
 from iop_trio.lifecycle import RunState
-from iop_trio.model import RunStatus
+from iop_trio.model import RunQuery, RunStatus
 from iop_trio.runtime import Node, RunSpec, RuntimeLimits, TargetSpec
 from iop_trio.store.sqlite import SqliteStore
 
@@ -66,7 +66,9 @@ async def with_queued_node(n: int, end: Callable[[Node], Awaitable[None]]) -> tu
             started = time.perf_counter()
             await end(node)
             elapsed = time.perf_counter() - started
-        cancelled = len(await store.list_runs(statuses=[RunStatus.CANCELLED], limit=n + 1))
+        cancelled = len(
+            await store.list_runs(RunQuery(statuses=[RunStatus.CANCELLED], limit=n + 1))
+        )
         await store.aclose()
     return elapsed, cancelled
 
@@ -97,7 +99,9 @@ async def store_only(n: int) -> tuple[float, int]:
         started = time.perf_counter()
         await store.append_many(events)
         elapsed = time.perf_counter() - started
-        cancelled = len(await store.list_runs(statuses=[RunStatus.CANCELLED], limit=n + 1))
+        cancelled = len(
+            await store.list_runs(RunQuery(statuses=[RunStatus.CANCELLED], limit=n + 1))
+        )
         await store.aclose()
     return elapsed, cancelled
 

@@ -280,6 +280,48 @@ class RunRecord:
         )
 
 
+def _status_set(statuses: Iterable[RunStatus]) -> frozenset[RunStatus]:
+    return frozenset(statuses)
+
+
+@attrs.frozen(repr=False)
+class RunQuery:
+    """Which runs a listing (``list_runs``) gives, newest (last created) first.
+
+    A run is listed if its status is one of ``statuses`` (empty: any), its target is
+    ``target`` ("": any), its tenant is ``tenant`` (None: any; "" is the default
+    tenant) and its id starts with ``run_id_prefix`` ("": any); at most ``limit``
+    runs, none for ``limit`` <= 0. ``statuses`` may be any iterable; it is kept as a
+    frozenset.
+    """
+
+    statuses: frozenset[RunStatus] = attrs.field(default=frozenset(), converter=_status_set)
+    target: str = ""
+    tenant: str | None = None
+    run_id_prefix: str = ""
+    limit: int = 100
+
+    def __repr__(self) -> str:
+        shown = [f"statuses={sorted(s.value for s in self.statuses)}"] if self.statuses else []
+        shown += [f"target={self.target!r}"] if self.target else []
+        shown += [f"tenant={self.tenant!r}"] if self.tenant is not None else []
+        shown += [f"run_id_prefix={self.run_id_prefix!r}"] if self.run_id_prefix else []
+        return f"<RunQuery {' '.join([*shown, f'limit={self.limit}'])}>"
+
+    def matches(self, record: RunRecord) -> bool:
+        """Whether ``record`` is one of the runs asked for (``limit`` aside)."""
+        return (
+            (not self.statuses or record.status in self.statuses)
+            and (not self.target or record.target == self.target)
+            and (self.tenant is None or record.tenant == self.tenant)
+            and record.run_id.startswith(self.run_id_prefix)
+        )
+
+
+#: The listing with no arguments: the newest 100 runs, of any status, target or tenant.
+LATEST_RUNS = RunQuery()
+
+
 # --- what callers ask for --------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ import pytest
 import trio
 
 from iop_trio.adapters.echo import EchoAdapter
+from iop_trio.model import RunQuery
 from iop_trio.runtime import EventKind, Node, RunStatus
 from iop_trio.store.sqlite import SqliteStore
 
@@ -144,7 +145,7 @@ async def test_kill_9_mid_run_then_restart(tmp_path):
             node = Node(node_id="restarted", adapters=[EchoAdapter()], targets=[], store=store)
             async with node.running():
                 pass  # entering interrupted what was unfinished
-            records = {r.run_id: r for r in await store.list_runs(limit=1_000_000)}
+            records = {r.run_id: r for r in await store.list_runs(RunQuery(limit=1_000_000))}
             events = {run_id: await store.events(run_id) for run_id in records}
         finally:
             await store.aclose()

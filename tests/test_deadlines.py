@@ -142,7 +142,7 @@ async def test_the_edge_passes_the_time_left_on_and_the_node_refuses_what_comes_
         # a sender that gives the edge too little time: refused there, nothing reaches the node
         async with open_runner(s.edge.client_url, token=TOKEN) as client:
             with pytest.raises(RemoteError) as refused:
-                async with client.request_stream(
+                async with client.stream(
                     "run_request",
                     pb.RunRequest(target="echo/a", prompt="too late"),
                     answer_within=HOP_MARGIN,
@@ -158,7 +158,7 @@ async def test_a_node_does_not_make_a_run_its_sender_will_not_hear_of(autojump_c
     node = echo_node(("a", 1))
     async with stack(node) as s:
         with pytest.raises(RemoteError) as refused:
-            async with s.handle.request_stream(
+            async with s.handle.stream(
                 "run_request", pb.RunRequest(target="echo/a", prompt="x"), answer_within=0.1
             ) as replies:
                 await replies.first()
@@ -180,7 +180,7 @@ async def test_a_run_the_node_cannot_store_before_its_sender_gives_up_is_not_mad
     async with stack(node) as s:
         start = trio.current_time()
         with pytest.raises(RemoteError) as refused:
-            async with s.handle.request_stream(
+            async with s.handle.stream(
                 "run_request",
                 pb.RunRequest(target="echo/a", prompt="x", run_id="late"),
                 answer_within=5.0,

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from iop_trio.cli import StoreLock
 from iop_trio.edge import Edge
-from iop_trio.model import RunStatus
+from iop_trio.model import RunQuery, RunStatus
 from iop_trio.protocol import pb
 from iop_trio.runtime import EventKind, RunSpec
 from iop_trio.store.sqlite import SqliteStore
@@ -124,7 +124,7 @@ async def test_ten_thousand_runs_are_accounted_for_by_client_metrics_and_store(t
     assert submitted == RUNS
     store = SqliteStore(db)
     try:
-        records = await store.list_runs(limit=RUNS + 1)
+        records = await store.list_runs(RunQuery(limit=RUNS + 1))
         stored = collections.Counter(r.status.value for r in records)
         assert stored == client_ends
         assert all(r.status is not RunStatus.INTERRUPTED for r in records)
@@ -341,7 +341,7 @@ async def test_the_default_clients_burst_of_ten_thousand_gets_an_answer_each_and
     assert set(refused) <= {"ERROR_CODE_UNAVAILABLE"}, refused
     store = SqliteStore(tmp_path / "node.db")
     try:
-        stored = {r.run_id for r in await store.list_runs(limit=RUNS + 1)}
+        stored = {r.run_id for r in await store.list_runs(RunQuery(limit=RUNS + 1))}
     finally:
         await store.aclose()
     orphans, lost = sorted(stored - accepted), sorted(accepted - stored)

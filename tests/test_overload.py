@@ -14,6 +14,7 @@ import trio
 import trio.testing
 from trio_websocket import open_websocket_url, serve_websocket
 
+from iop_trio.model import RunQuery
 from iop_trio.protocol import pb
 from iop_trio.runtime import RunSpec, RunStatus
 from iop_trio.transport import (
@@ -80,12 +81,14 @@ async def test_the_gate_not_the_transport_decides_and_control_requests_go_on():
                 for i in range(5_000):
                     nursery.start_soon(one, i)
             assert len(run_ids) == 5_000
-            queued = await node.store.list_runs(statuses=[RunStatus.QUEUED], limit=10_000)
-            rejected = await node.store.list_runs(statuses=[RunStatus.REJECTED], limit=10_000)
+            queued = await node.store.list_runs(RunQuery(statuses=[RunStatus.QUEUED], limit=10_000))
+            rejected = await node.store.list_runs(
+                RunQuery(statuses=[RunStatus.REJECTED], limit=10_000)
+            )
             assert (len(queued), len(rejected)) == (1_000, 4_000)
             assert {r.reason for r in rejected} == {"queue_full"}
             # control requests, with 1,000 runs waiting on this session's node
-            listed = await client.list_runs(statuses=[RunStatus.QUEUED], limit=5)
+            listed = await client.list_runs(RunQuery(statuses=[RunStatus.QUEUED], limit=5))
             assert len(listed) == 5
             cancelled = await client.cancel(queued[0].run_id, "no longer needed")
             assert cancelled.cancelled

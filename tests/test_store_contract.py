@@ -14,7 +14,7 @@ import trio
 import trio.testing
 
 from iop_trio.lifecycle import RunState
-from iop_trio.model import EventKind, RunEvent, RunStatus
+from iop_trio.model import EventKind, RunEvent, RunQuery, RunStatus
 from iop_trio.runtime import Usage
 from iop_trio.store import RunStore, StoreError, UsageTotal
 from iop_trio.store.memory import MemoryStore
@@ -385,31 +385,37 @@ async def test_list_runs_newest_first_filters_and_limit(store):
     e = await running(store, "e", target="echo/x", time=1.0)
     everything = [e, d, c, b, a]
     assert await store.list_runs() == [s.record for s in everything]
-    assert await store.list_runs(limit=2) == [e.record, d.record]
-    assert await store.list_runs(limit=0) == []
-    assert await store.list_runs(limit=-1) == []
-    assert await store.list_runs(limit=100) == [s.record for s in everything]
-    assert [r.run_id for r in await store.list_runs(target="echo/x")] == ["e", "c", "a"]
-    assert [r.run_id for r in await store.list_runs(statuses=[RunStatus.RUNNING])] == ["e", "b"]
+    assert await store.list_runs(RunQuery(limit=2)) == [e.record, d.record]
+    assert await store.list_runs(RunQuery(limit=0)) == []
+    assert await store.list_runs(RunQuery(limit=-1)) == []
+    assert await store.list_runs(RunQuery(limit=100)) == [s.record for s in everything]
+    assert [r.run_id for r in await store.list_runs(RunQuery(target="echo/x"))] == ["e", "c", "a"]
+    assert [r.run_id for r in await store.list_runs(RunQuery(statuses=[RunStatus.RUNNING]))] == [
+        "e",
+        "b",
+    ]
     assert [
-        r.run_id for r in await store.list_runs(statuses={RunStatus.QUEUED, RunStatus.SUCCEEDED})
+        r.run_id
+        for r in await store.list_runs(RunQuery(statuses={RunStatus.QUEUED, RunStatus.SUCCEEDED}))
     ] == ["d", "c", "a"]
     assert [
         r.run_id
-        for r in await store.list_runs(statuses=(RunStatus.QUEUED,), target="echo/x", limit=1)
+        for r in await store.list_runs(
+            RunQuery(statuses=(RunStatus.QUEUED,), target="echo/x", limit=1)
+        )
     ] == ["c"]
-    assert await store.list_runs(target="echo/none") == []
-    assert await store.list_runs(statuses=[RunStatus.INTERRUPTED]) == []
+    assert await store.list_runs(RunQuery(target="echo/none")) == []
+    assert await store.list_runs(RunQuery(statuses=[RunStatus.INTERRUPTED])) == []
 
 
 async def test_list_runs_by_tenant_and_the_default_tenant(store):
     await created(store, "a", tenant="acme", priority=5)
     await created(store, "b")  # the default tenant, ""
     await created(store, "c", tenant="acme", priority=-1)
-    assert [r.run_id for r in await store.list_runs(tenant="acme")] == ["c", "a"]
-    assert [r.run_id for r in await store.list_runs(tenant="")] == ["b"]
+    assert [r.run_id for r in await store.list_runs(RunQuery(tenant="acme"))] == ["c", "a"]
+    assert [r.run_id for r in await store.list_runs(RunQuery(tenant=""))] == ["b"]
     assert [r.run_id for r in await store.list_runs()] == ["c", "b", "a"]
-    assert await store.list_runs(tenant="nobody") == []
+    assert await store.list_runs(RunQuery(tenant="nobody")) == []
     a = await store.get("a")
     assert a is not None and (a.tenant, a.priority) == ("acme", 5)
 
@@ -417,13 +423,13 @@ async def test_list_runs_by_tenant_and_the_default_tenant(store):
 async def test_list_runs_by_run_id_prefix(store):
     for run_id in ("alice:1", "alice:2", "alicia:1", "bob:1", "a%b:1"):
         await created(store, run_id)
-    assert [r.run_id for r in await store.list_runs(run_id_prefix="alice:")] == [
+    assert [r.run_id for r in await store.list_runs(RunQuery(run_id_prefix="alice:"))] == [
         "alice:2",
         "alice:1",
     ]
-    assert [r.run_id for r in await store.list_runs(run_id_prefix="a%")] == ["a%b:1"]
-    assert len(await store.list_runs(run_id_prefix="")) == 5
-    assert await store.list_runs(run_id_prefix="carol:") == []
+    assert [r.run_id for r in await store.list_runs(RunQuery(run_id_prefix="a%"))] == ["a%b:1"]
+    assert len(await store.list_runs(RunQuery(run_id_prefix=""))) == 5
+    assert await store.list_runs(RunQuery(run_id_prefix="carol:")) == []
 
 
 async def test_a_rejection_keeps_its_retry_hint(store):
@@ -451,10 +457,12 @@ async def test_a_failure_keeps_its_engines_retry_hint(store):
 
 async def test_list_runs_sees_status_changes(store):
     state = await created(store, "r1")
-    assert [r.run_id for r in await store.list_runs(statuses=[RunStatus.QUEUED])] == ["r1"]
+    assert [r.run_id for r in await store.list_runs(RunQuery(statuses=[RunStatus.QUEUED]))] == [
+        "r1"
+    ]
     await store.append(state.transition(RunStatus.RUNNING, time=101.0))
-    assert await store.list_runs(statuses=[RunStatus.QUEUED]) == []
-    assert await store.list_runs(statuses=[RunStatus.RUNNING]) == [state.record]
+    assert await store.list_runs(RunQuery(statuses=[RunStatus.QUEUED])) == []
+    assert await store.list_runs(RunQuery(statuses=[RunStatus.RUNNING])) == [state.record]
 
 
 # --- restart and pruning --------------------------------------------------------------------
@@ -623,5 +631,5 @@ async def test_reads_see_every_returned_write(store):
     assert (await store.get("r1")) == state.record
     await store.append(state.delta("x", time=2.0))
     assert await seqs(store, "r1") == [1, 2, 3]
-    assert await store.list_runs(statuses=[RunStatus.RUNNING]) == [state.record]
+    assert await store.list_runs(RunQuery(statuses=[RunStatus.RUNNING])) == [state.record]
     await trio.testing.wait_all_tasks_blocked()

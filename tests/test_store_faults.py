@@ -21,7 +21,7 @@ import trio
 
 from iop_trio.lifecycle import RunState
 from iop_trio.metrics import NodeMetrics
-from iop_trio.model import EventKind, RunStatus
+from iop_trio.model import EventKind, RunQuery, RunStatus
 from iop_trio.protocol import pb
 from iop_trio.runtime import Node, RunSpec, RuntimeLimits, TargetSpec
 from iop_trio.store import StoreUnavailable
@@ -257,7 +257,7 @@ async def test_on_a_real_small_disk_the_wal_stays_bounded_and_a_full_disk_recove
             assert health.seen == []  # it never filled
             wal = disk / "runs.db-wal"
             assert wal.stat().st_size <= JOURNAL_SIZE_LIMIT + 64 * 1024
-            assert len(await store.list_runs(limit=1000)) == 300
+            assert len(await store.list_runs(RunQuery(limit=1000))) == 300
             # now the disk fills up for real, under a write larger than the WAL's room
             state = await running(store, "last")
             fill_disk(disk / "filler")

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from iop_trio.lifecycle import RunState
-from iop_trio.model import EventKind, RunEvent, RunRecord, RunStatus
+from iop_trio.model import EventKind, RunEvent, RunQuery, RunRecord, RunStatus
 from iop_trio.runtime import Usage
 from iop_trio.store import RunStore, StoreError, StoreUnavailable
 from iop_trio.store.memory import MemoryStore
@@ -226,7 +226,7 @@ async def test_a_version_1_store_is_migrated_in_place(tmp_path):
         assert interrupted.run_id == "old"
         state = await created(store, "new", tenant="acme", priority=3)
         assert await store.get("new") == state.record
-        assert [r.run_id for r in await store.list_runs(tenant="acme")] == ["new"]
+        assert [r.run_id for r in await store.list_runs(RunQuery(tenant="acme"))] == ["new"]
     finally:
         await store.aclose()
     raw = sqlite3.connect(path)
@@ -716,7 +716,7 @@ async def _outcome(call: Call, store: RunStore) -> object:
 
 
 async def _dump(store: RunStore) -> tuple[object, ...]:
-    records = await store.list_runs(limit=1000)
+    records = await store.list_runs(RunQuery(limit=1000))
     return tuple([(r, await store.events(r.run_id)) for r in records])
 
 
@@ -822,7 +822,7 @@ async def test_many_events_in_one_job_are_one_commit(store):
     before = store.statistics().commits
     await store.append_many([s.transition(RunStatus.CANCELLED, time=9.0) for s in states])
     assert store.statistics().commits == before + 1
-    assert {r.status for r in await store.list_runs(limit=100)} == {RunStatus.CANCELLED}
+    assert {r.status for r in await store.list_runs(RunQuery(limit=100))} == {RunStatus.CANCELLED}
 
 
 async def test_the_store_is_private_to_its_owner(tmp_path):
@@ -968,7 +968,7 @@ async def test_a_store_whose_file_goes_refuses_new_runs_says_so_once_and_rescues
     os.replace(rescue, path)
     again = SqliteStore(path)
     try:
-        records_now = {r.run_id: r for r in await again.list_runs(limit=100)}
+        records_now = {r.run_id: r for r in await again.list_runs(RunQuery(limit=100))}
         assert set(records_now) == {f"r{i}" for i in range(20)} | {"done"}
         assert records_now["r0"].status is RunStatus.SUCCEEDED  # written after the rescue
         assert records_now["r1"].status is RunStatus.RUNNING

@@ -43,7 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from iop_trio.cli import StoreLock
 from iop_trio.edge import Edge
-from iop_trio.model import EventKind, RunSpec, RunStatus, estimate_prompt_tokens
+from iop_trio.model import EventKind, RunQuery, RunSpec, RunStatus, estimate_prompt_tokens
 from iop_trio.store.sqlite import SqliteStore
 
 from .engines import SSE, Exchange, Reply, openai_chunk, openai_stream, serve, sse
@@ -241,7 +241,7 @@ async def test_usage_survives_cancels_and_a_kill_9_and_adds_up(tmp_path):
         by_target = await usage_lines(config, "target")
         store = SqliteStore(db)
         try:
-            records = {r.run_id: r for r in await store.list_runs(limit=1000)}
+            records = {r.run_id: r for r in await store.list_runs(RunQuery(limit=1000))}
             events = {run_id: await store.events(run_id) for run_id in records}
         finally:
             await store.aclose()

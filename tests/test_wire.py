@@ -24,6 +24,7 @@ from trio_websocket import (
 
 from iop_trio.adapters.echo import EchoAdapter, EchoSettings
 from iop_trio.edge import Edge, NodeHandle
+from iop_trio.model import RunQuery
 from iop_trio.protocol import ProtoConnection, Reply, Request, Role, pb
 from iop_trio.protocol.convert import tenant_limits_from_pb
 from iop_trio.runtime import (
@@ -228,7 +229,7 @@ async def test_set_limits_and_list_runs_over_the_wire():
         assert node.limits().tenants == {"acme": share}  # nothing changed
         ids = [await s.handle.submit(RunSpec("echo/a", f"r{i}")) for i in range(3)]
         await node.manager.wait_idle()
-        listed = await s.handle.list_runs(statuses=[RunStatus.SUCCEEDED], target="echo/a")
+        listed = await s.handle.list_runs(RunQuery(statuses=[RunStatus.SUCCEEDED], target="echo/a"))
         assert [r.run_id for r in listed] == ids[::-1]
 
 
@@ -549,8 +550,8 @@ async def test_the_edge_says_who_a_run_is_for_whatever_the_caller_sent():
         record = await node.store.get(stream.run_id)
         assert record is not None
         assert (record.tenant, record.priority) == ("team-a", 2)
-        [listed] = await client.list_runs(tenant="team-a")
-        assert await client.list_runs(tenant="team-b") == []
+        [listed] = await client.list_runs(RunQuery(tenant="team-a"))
+        assert await client.list_runs(RunQuery(tenant="team-b")) == []
         assert (listed.tenant, listed.priority) == ("team-a", 2)
     with pytest.raises(ValueError, match="must be up to 128 characters"):
         Edge(token=TOKEN, client_tenant="no spaces")

@@ -17,7 +17,7 @@ import attrs
 from ..config import NodeConfig
 from ..lifecycle import RunState
 from ..logs import escape_controls
-from ..model import EventKind, RunEvent, RunStatus
+from ..model import EventKind, RunEvent, RunQuery, RunStatus
 from ..ops import record_json
 from ..store import unfinished_usage
 from .errors import CliError
@@ -41,7 +41,7 @@ async def runs_list(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> 
     try:
         statuses = [RunStatus(s) for s in ns.status or ()]
         records = await store.list_runs(
-            statuses=statuses, target=ns.target or "", tenant=ns.tenant, limit=ns.limit
+            RunQuery(statuses, target=ns.target or "", tenant=ns.tenant, limit=ns.limit)
         )
     finally:
         await store.aclose()

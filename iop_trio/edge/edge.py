@@ -42,6 +42,14 @@ from trio_websocket import WebSocketConnection
 
 from ..model import InvalidRequest, RunSpec, TokenBucket, tenant_problem
 from ..protocol import Request, Role, pb
+
+# the edge's refusals are the protocol's error table's (re-exported: public names here)
+from ..protocol.errors import NODE_RETRY_AFTER as NODE_RETRY_AFTER
+from ..protocol.errors import Forbidden as Forbidden
+from ..protocol.errors import NodeGone as NodeGone
+from ..protocol.errors import NoNode as NoNode
+from ..protocol.errors import RateLimited as RateLimited
+from ..protocol.errors import TooLateToRelay, refusal_for
 from ..transport.caller import ACK_TIMEOUT, RunnerClient, RunStream
 from ..transport.guard import ConnectionBounds, ConnectionGuard
 from ..transport.server import serve_proto, shared_token
@@ -53,16 +61,12 @@ from ..transport.session import (
     ReplyTimeout,
     SessionClosed,
     SessionSettings,
-    TooLate,
 )
 from .identities import Caller, Identities, NodeIdentity
 
 log = logging.getLogger(__name__)
 
 RUN_OWNERS_KEPT = 100_000
-#: The retry hint (seconds) when a target's node is not connected or was lost: about
-#: the time a node takes to dial back (its backoff starts at a second).
-NODE_RETRY_AFTER = 2.0
 #: The retry hint (seconds) of a caller refused for having its most runs open.
 RUNS_RETRY_AFTER = 1.0
 #: Seconds of a relayed request's time left that the edge keeps for the node's answer
@@ -70,55 +74,6 @@ RUNS_RETRY_AFTER = 1.0
 HOP_MARGIN = 1.0
 #: The least time left (seconds) for which a request is still relayed to a node.
 MIN_RELAY_TIME = 0.25
-
-
-class NoNode(LookupError):
-    """No connected node serves that target (or knows that run)."""
-
-
-class NodeGone(NoNode):
-    """The target was served by a node that is not connected now (retry later)."""
-
-
-class Forbidden(Exception):
-    """The caller may not do that (a target, a priority)."""
-
-
-class RateLimited(Exception):
-    """The caller is over its rate or its runs in flight; ``retry_after`` seconds is a
-    hint of when it would not be."""
-
-    def __init__(self, message: str, retry_after: float) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-def client_refusal(exc: BaseException, kind: str) -> Refusal | None:
-    """The answer to a client's ``kind`` request that failed with ``exc``, or None if
-    ``exc`` is no failure a client can meet (a bug). One table for the proto-socket's
-    ``/client`` and the OpenAI door (which turns the code into an HTTP status)."""
-    if isinstance(exc, NodeGone):
-        return Refusal(pb.ERROR_CODE_UNAVAILABLE, str(exc), NODE_RETRY_AFTER)
-    if isinstance(exc, NoNode):
-        unknown = (
-            pb.ERROR_CODE_UNKNOWN_TARGET if kind == "run_request" else pb.ERROR_CODE_UNKNOWN_RUN
-        )
-        return Refusal(unknown, str(exc))
-    if isinstance(exc, RemoteError):
-        return Refusal(exc.code, exc.message, exc.retry_after)
-    if isinstance(exc, RateLimited):
-        return Refusal(pb.ERROR_CODE_RATE_LIMITED, str(exc), exc.retry_after)
-    if isinstance(exc, SessionClosed | ReplyTimeout):
-        return Refusal(pb.ERROR_CODE_UNAVAILABLE, f"node lost: {exc}", NODE_RETRY_AFTER)
-    table: tuple[tuple[type[Exception], int, float | None], ...] = (
-        (InvalidRequest, pb.ERROR_CODE_INVALID, None),
-        (Forbidden, pb.ERROR_CODE_FORBIDDEN, None),
-        (TooLate, pb.ERROR_CODE_UNAVAILABLE, NODE_RETRY_AFTER),
-    )
-    for kind_of, code, hint in table:
-        if isinstance(exc, kind_of):
-            return Refusal(code, str(exc), hint)
-    return None
 
 
 class NodeHandle(RunnerClient):
@@ -494,7 +449,7 @@ class Edge:
             try:
                 self.take_request(caller)
             except RateLimited as exc:
-                return Refusal(pb.ERROR_CODE_RATE_LIMITED, str(exc), exc.retry_after)
+                return refusal_for(exc, request.kind)
             return None
 
         return check
@@ -528,13 +483,13 @@ class Edge:
         """How long to wait for a node's answer to the client's request ``nonce`` and the
         bound to give the node: the client's time left (less :data:`HOP_MARGIN` for the
         node), or for a client that gave none the edge's own ``ack_timeout`` and the
-        bound that goes with it (None). TooLate if too little is left to relay it."""
+        bound that goes with it (None). TooLateToRelay if too little is left to relay it."""
         left = session.time_left(nonce)
         if left == math.inf:
             return self.ack_timeout, None
         within = left - HOP_MARGIN
         if within < MIN_RELAY_TIME:
-            raise TooLate(
+            raise TooLateToRelay(
                 f"its sender gives up in {max(left, 0):.2f}s: too soon for a node's answer; "
                 "retry later"
             )
@@ -556,7 +511,7 @@ class Edge:
                     raise NoNode(f"no run {run_id!r}")  # another's run is no run to this one
                 handle = await self.owner_of(run_id)
                 ack, within = self._relay_bounds(session, request.nonce)
-                async with handle.request_stream(
+                async with handle.stream(
                     request.kind, request.message, ack_timeout=ack, answer_within=within
                 ) as replies:
                     async for reply in replies:
@@ -585,7 +540,7 @@ class Edge:
                     f"{request.kind!r} goes to a node; the edge does not take it from clients",
                 )
         except Exception as exc:
-            refusal = client_refusal(exc, request.kind)
+            refusal = refusal_for(exc, request.kind)
             if refusal is None:
                 raise
             if session.closed:
@@ -614,7 +569,7 @@ class Edge:
         run_id = ""
         finished = False
         try:
-            async with handle.request_stream(
+            async with handle.stream(
                 "run_request", message, ack_timeout=ack, answer_within=within
             ) as replies:
                 async for reply in replies:

@@ -77,13 +77,21 @@ import cattrs
 import trio
 
 from ..model import EventKind, RunEvent, RunSpec, Usage, field_check
-from ..protocol import pb
+from ..protocol.errors import (
+    NODE_RETRY_AFTER,
+    NoNode,
+    Refusal,
+    RemoteError,
+    ReplyTimeout,
+    SessionClosed,
+    http_answer,
+    refusal_for,
+)
 from ..structure import problems, strict_converter
 from ..transport.asgi import Receive, Scope, Send, is_http, respond_json, serve_asgi
 from ..transport.auth import bearer_token
 from ..transport.caller import RunStream
-from ..transport.session import RemoteError, ReplyTimeout, SessionClosed
-from .edge import NODE_RETRY_AFTER, Edge, NoNode, client_refusal
+from .edge import Edge
 from .identities import Caller
 
 log = logging.getLogger(__name__)
@@ -106,16 +114,6 @@ BODY_TIMEOUT = 30.0
 #: the proto-socket as protobuf, which refuses deeper nesting than about 50.
 MAX_DEPTH = 32
 
-#: An error code (a node's or the edge's) -> (HTTP status, OpenAI error type, our code).
-ERROR_STATUS: dict[int, tuple[int, str, str]] = {
-    pb.ERROR_CODE_INVALID: (400, "invalid_request_error", "invalid_request"),
-    pb.ERROR_CODE_UNKNOWN_TARGET: (404, "invalid_request_error", "model_not_found"),
-    pb.ERROR_CODE_UNKNOWN_RUN: (404, "invalid_request_error", "not_found"),
-    pb.ERROR_CODE_FORBIDDEN: (403, "permission_error", "forbidden"),
-    pb.ERROR_CODE_UNAVAILABLE: (503, "server_error", "unavailable"),
-    pb.ERROR_CODE_STORE_UNAVAILABLE: (503, "server_error", "store_unavailable"),
-    pb.ERROR_CODE_RATE_LIMITED: (429, "rate_limit_error", "rate_limited"),
-}
 #: A run's terminal event (not SUCCEEDED) -> (HTTP status, OpenAI error type).
 TERMINAL_STATUS: dict[EventKind, tuple[int, str]] = {
     EventKind.REJECTED: (429, "rate_limit_error"),
@@ -183,11 +181,18 @@ class DoorError(Exception):
         return headers
 
     @classmethod
-    def refused(cls, code: int, message: str, retry_after: float | None) -> DoorError:
-        """The answer to a request refused with an error ``code`` (:data:`ERROR_STATUS`)."""
-        status, kind, name = ERROR_STATUS.get(code, (502, "server_error", "node_error"))
-        param = "model" if code == pb.ERROR_CODE_UNKNOWN_TARGET else None
-        return cls(status, message, kind=kind, code=name, param=param, retry_after=retry_after)
+    def refused(cls, refusal: Refusal) -> DoorError:
+        """The answer to a request refused with ``refusal``: its code's HTTP status and
+        OpenAI error (:func:`~iop_trio.protocol.errors.http_answer`)."""
+        answer = http_answer(refusal.code)
+        return cls(
+            answer.status,
+            refusal.message,
+            kind=answer.kind,
+            code=answer.name,
+            param=answer.param,
+            retry_after=refusal.retry_after,
+        )
 
 
 @attrs.frozen
@@ -468,14 +473,14 @@ class OpenAIFrontDoor:
     @staticmethod
     def _refuse_on(action: Any, kind: str) -> Any:
         """``action()``, or the DoorError for a failure a client can meet
-        (:func:`~iop_trio.edge.edge.client_refusal`)."""
+        (:func:`~iop_trio.protocol.errors.refusal_for`)."""
         try:
             return action()
         except Exception as exc:
-            refusal = client_refusal(exc, kind)
+            refusal = refusal_for(exc, kind)
             if refusal is None:
                 raise
-            raise DoorError.refused(refusal.code, refusal.message, refusal.retry_after) from None
+            raise DoorError.refused(refusal) from None
 
     async def _body(self, receive: Receive) -> object:
         limit = self.edge.settings.max_message_size
@@ -568,10 +573,10 @@ class OpenAIFrontDoor:
         except DoorError:
             raise
         except Exception as exc:
-            refusal = client_refusal(exc, "run_request")
+            refusal = refusal_for(exc, "run_request")
             if refusal is None:
                 raise
-            raise DoorError.refused(refusal.code, refusal.message, refusal.retry_after) from None
+            raise DoorError.refused(refusal) from None
 
     async def _whole(
         self, stream: RunStream, request: ChatRequest, created: int, send: Send

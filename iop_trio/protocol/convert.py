@@ -21,6 +21,7 @@ from ..model import (
     Limits,
     NodeInfo,
     RunEvent,
+    RunQuery,
     RunRecord,
     RunSpec,
     RunStatus,
@@ -197,6 +198,31 @@ def usage_from_pb(message: pb.Usage) -> Usage:
         ),
         prompt_estimated=message.prompt_estimated,
         completion_estimated=message.completion_estimated,
+    )
+
+
+def query_to_pb(query: RunQuery) -> pb.ListRuns:
+    """The ListRuns request of ``query`` (a ``tenant`` of None is an absent one)."""
+    message = pb.ListRuns(
+        statuses=[status_to_pb(s) for s in sorted(query.statuses, key=lambda s: s.value)],
+        target=query.target,
+        limit=query.limit,
+        run_id_prefix=query.run_id_prefix,
+    )
+    if query.tenant is not None:
+        message.tenant = query.tenant
+    return message
+
+
+def query_from_pb(message: pb.ListRuns) -> RunQuery:
+    """The query of a ListRuns request: a ``limit`` of 0 is the default (100), an
+    absent ``tenant`` any; InvalidRequest for an unknown status."""
+    return RunQuery(
+        statuses=[status_from_pb(s) for s in message.statuses],
+        target=message.target,
+        tenant=message.tenant if message.HasField("tenant") else None,
+        run_id_prefix=message.run_id_prefix,
+        limit=message.limit or 100,
     )
 
 

@@ -129,7 +129,7 @@ class Permit:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self._gate._release(self._ticket, self.used)
+            self._gate.give_back(self._ticket, self.used)
 
     def __enter__(self) -> Permit:
         return self
@@ -571,7 +571,10 @@ class Gate:
         if ticket.tenant.name not in self.scheduler.tenants and not pool.running:
             self._limiters.pop(pool, None)
 
-    def _release(self, ticket: Ticket, used: int | None) -> None:
+    def give_back(self, ticket: Ticket, used: int | None) -> None:
+        """Give back the tokens of ``ticket``'s permit, which used ``used`` of them (None:
+        its reservation stands), and grant what that makes room for. Once per permit:
+        :meth:`Permit.release` calls it (call that)."""
         for pool in reversed(ticket.pools):
             self._limiter(pool).release_on_behalf_of(ticket)
         granted = self.scheduler.release(ticket, trio.current_time(), used)

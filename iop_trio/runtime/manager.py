@@ -33,7 +33,6 @@ import uuid
 from collections.abc import (
     Awaitable,
     Callable,
-    Collection,
     Hashable,
     Iterator,
     Mapping,
@@ -48,9 +47,11 @@ from ..adapters.base import Adapter, AdapterRequest
 from ..lifecycle import TRANSITIONS, RunState
 from ..model import (
     CHARS_PER_TOKEN,
+    LATEST_RUNS,
     InvalidRequest,
     NodeUnavailable,
     RunEvent,
+    RunQuery,
     RunRecord,
     RunSpec,
     RunStatus,
@@ -760,23 +761,9 @@ class RunManager:
             return attrs.evolve(live.state.record)
         return await self._store.get(run_id)
 
-    async def list_runs(
-        self,
-        *,
-        statuses: Collection[RunStatus] = (),
-        target: str = "",
-        tenant: str | None = None,
-        run_id_prefix: str = "",
-        limit: int = 100,
-    ) -> list[RunRecord]:
+    async def list_runs(self, query: RunQuery = LATEST_RUNS) -> list[RunRecord]:
         """See :meth:`RunStore.list_runs`."""
-        return await self._store.list_runs(
-            statuses=statuses,
-            target=target,
-            tenant=tenant,
-            run_id_prefix=run_id_prefix,
-            limit=limit,
-        )
+        return await self._store.list_runs(query)
 
     async def events(
         self, run_id: str, *, after_seq: int = 0, limit: int | None = None

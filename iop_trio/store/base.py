@@ -15,31 +15,28 @@ once it writes again.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import attrs
 import trio
 
+# the store's failures live below the protocol's error table that names them (re-exported)
+from ..failures import StoreError as StoreError
+from ..failures import StoreUnavailable as StoreUnavailable
 from ..lifecycle import fold
 from ..model import (
     CHARS_PER_TOKEN,
+    LATEST_RUNS,
     Prompted,
     RunEvent,
+    RunQuery,
     RunRecord,
     RunStatus,
     Usage,
     estimate_prompt_tokens,
     settle_usage,
 )
-
-
-class StoreError(Exception):
-    """The store could not do what was asked (I/O, corruption, a refused event)."""
-
-
-class StoreUnavailable(StoreError):
-    """The store cannot write now (disk full, I/O error): nothing was changed; retry later."""
 
 
 @attrs.frozen
@@ -186,20 +183,9 @@ class RunStore(abc.ABC):
         """A copy of the run's record, or None."""
 
     @abc.abstractmethod
-    async def list_runs(
-        self,
-        *,
-        statuses: Collection[RunStatus] = (),
-        target: str = "",
-        tenant: str | None = None,
-        run_id_prefix: str = "",
-        limit: int = 100,
-    ) -> list[RunRecord]:
-        """Runs, newest (last created) first; empty ``statuses`` / ``target`` /
-        ``run_id_prefix`` and a ``tenant`` of None match any ("" is the default tenant).
-
-        At most ``limit`` runs; none for ``limit`` <= 0.
-        """
+    async def list_runs(self, query: RunQuery = LATEST_RUNS) -> list[RunRecord]:
+        """Copies of the records of the runs ``query`` asks for, newest (last created)
+        first (see :class:`~iop_trio.model.RunQuery`)."""
 
     @abc.abstractmethod
     async def events(

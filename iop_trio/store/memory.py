@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import trio
 
 from ..lifecycle import RunState, fold
-from ..model import CHARS_PER_TOKEN, RunEvent, RunRecord, RunStatus
+from ..model import CHARS_PER_TOKEN, LATEST_RUNS, RunEvent, RunQuery, RunRecord, RunStatus
 from .base import (
     RunStore,
     StoreError,
@@ -78,26 +78,10 @@ class MemoryStore(RunStore):
         record = self._runs.get(run_id)
         return None if record is None else _copy(record)
 
-    async def list_runs(
-        self,
-        *,
-        statuses: Collection[RunStatus] = (),
-        target: str = "",
-        tenant: str | None = None,
-        run_id_prefix: str = "",
-        limit: int = 100,
-    ) -> list[RunRecord]:
+    async def list_runs(self, query: RunQuery = LATEST_RUNS) -> list[RunRecord]:
         await trio.lowlevel.checkpoint()
-        wanted = set(statuses)
-        found = [
-            _copy(r)
-            for r in reversed(self._runs.values())
-            if (not wanted or r.status in wanted)
-            and (not target or r.target == target)
-            and (tenant is None or r.tenant == tenant)
-            and r.run_id.startswith(run_id_prefix)
-        ]
-        return found[: max(limit, 0)]
+        found = [_copy(r) for r in reversed(self._runs.values()) if query.matches(r)]
+        return found[: max(query.limit, 0)]
 
     async def events(
         self, run_id: str, *, after_seq: int = 0, limit: int | None = None

@@ -111,13 +111,13 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, TypeVar, cast
 
 import attrs
 import trio
 
-from ..model import CHARS_PER_TOKEN, RunEvent, RunRecord, RunStatus
+from ..model import CHARS_PER_TOKEN, LATEST_RUNS, RunEvent, RunQuery, RunRecord
 from .base import (
     HealthListener,
     RunStore,
@@ -411,40 +411,28 @@ class SqliteStore(RunStore):
 
         return await self._read(read)
 
-    async def list_runs(
-        self,
-        *,
-        statuses: Collection[RunStatus] = (),
-        target: str = "",
-        tenant: str | None = None,
-        run_id_prefix: str = "",
-        limit: int = 100,
-    ) -> list[RunRecord]:
-        """Runs, newest (last created) first; empty ``statuses`` / ``target`` /
-        ``run_id_prefix`` and a ``tenant`` of None match any ("" is the default tenant).
-
-        At most ``limit`` runs; none for ``limit`` <= 0.
-        """
+    async def list_runs(self, query: RunQuery = LATEST_RUNS) -> list[RunRecord]:
+        """See :meth:`RunStore.list_runs`."""
         where: list[str] = []
         args: list[object] = []
-        wanted = sorted({s.value for s in statuses})
+        wanted = sorted(s.value for s in query.statuses)
         if wanted:
             where.append(f"status IN ({marks(len(wanted))})")
             args.extend(wanted)
-        if target:
+        if query.target:
             where.append("target = ?")
-            args.append(target)
-        if tenant is not None:
+            args.append(query.target)
+        if query.tenant is not None:
             where.append("tenant = ?")
-            args.append(tenant)
-        if run_id_prefix:
+            args.append(query.tenant)
+        if query.run_id_prefix:
             where.append("substr(run_id, 1, ?) = ?")
-            args.extend([len(run_id_prefix), run_id_prefix])
+            args.extend([len(query.run_id_prefix), query.run_id_prefix])
         sql = f"SELECT {RUN_COLUMNS} FROM runs"
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY id DESC LIMIT ?"
-        args.append(max(limit, 0))
+        args.append(max(query.limit, 0))
 
         def read(conn: sqlite3.Connection) -> list[RunRecord]:
             return [run_from_row(row) for row in conn.execute(sql, args).fetchall()]

@@ -8,19 +8,19 @@ arrive as :class:`RemoteError`; a lost session as :class:`SessionClosed`.
 from __future__ import annotations
 
 import ssl
-from collections.abc import AsyncIterator, Collection, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import trio
 from google.protobuf.message import Message
 
-from ..model import RunEvent, RunSpec, RunStatus, TenantLimits
+from ..model import LATEST_RUNS, RunEvent, RunQuery, RunSpec, TenantLimits
 from ..protocol import Role, pb
 from ..protocol.convert import (
     TERMINAL_STATUSES_PB,
     event_from_pb,
+    query_to_pb,
     request_from_spec,
-    status_to_pb,
     tenant_limits_to_pb,
 )
 from .session import ProtoSession, ReplyStream, SessionClosed, SessionSettings
@@ -84,6 +84,11 @@ def answer_within_for(ack_timeout: float | None) -> float:
 class RunnerClient:
     """Run requests over one session; many calls may be in flight at once.
 
+    :meth:`run`, :meth:`cancel`, :meth:`get_run`, :meth:`follow`, :meth:`list_runs`,
+    :meth:`set_limits` and :meth:`ping` make one kind of request each; :meth:`call` and
+    :meth:`stream` send any request as a protobuf message (what a relay such as the
+    edge needs).
+
     Every call raises :class:`ReplyTimeout` if the peer does not answer
     within ``ack_timeout`` seconds, and a run's event stream raises it if no
     event comes for ``idle_timeout`` seconds (None, the default, waits as long
@@ -125,14 +130,21 @@ class RunnerClient:
         ack_timeout: float | None = None,
         answer_within: float | None = None,
     ) -> Message:
-        """Send any request and return its (first) answer. ``ack_timeout`` (seconds)
-        shortens this client's own; ``answer_within`` is the bound the peer is given
-        (None: :func:`answer_within_for` the ack timeout). Raises as
-        :meth:`ProtoSession.request` does."""
+        """Send any request ``kind`` (an Envelope body name, ``"list_runs"``) and return
+        its first answer; the relay's API (the edge passes a client's request on as it
+        came).
+
+        ``ack_timeout`` (seconds) can only shorten this client's own (None: this
+        client's); ``answer_within`` is the bound the peer is given, in seconds (None:
+        :func:`answer_within_for` the ack timeout; 0: no bound). Raises RemoteError for
+        an Error answer, ReplyTimeout if none comes in time, SessionClosed if the
+        session ends first. A request answered by a stream (``run_request``, ``get_run``
+        with ``follow``) gets only its first reply here: use :meth:`stream`.
+        """
         ack, within = self._bounds(ack_timeout, answer_within)
         return await self.session.request(kind, message, ack_timeout=ack, answer_within=within)
 
-    def request_stream(
+    def stream(
         self,
         kind: str,
         message: Message,
@@ -140,8 +152,14 @@ class RunnerClient:
         ack_timeout: float | None = None,
         answer_within: float | None = None,
     ) -> AbstractAsyncContextManager[ReplyStream]:
-        """Send any request and yield the stream of its replies (:meth:`ProtoSession.stream`),
-        with the bounds of :meth:`call` and this client's ``idle_timeout``."""
+        """Send any request and yield the stream of its replies (:meth:`ProtoSession.stream`);
+        the relay's API for requests answered by a stream.
+
+        The bounds are :meth:`call`'s for the first reply; each later one waits at most
+        this client's ``idle_timeout``. Iterating raises as :meth:`call` does, and ends
+        after the final reply; leaving the block stops listening (later replies are
+        dropped; a run goes on unless cancelled).
+        """
         ack, within = self._bounds(ack_timeout, answer_within)
         return self.session.stream(
             kind, message, ack_timeout=ack, idle_timeout=self.idle_timeout, answer_within=within
@@ -151,7 +169,7 @@ class RunnerClient:
     async def run(self, spec: RunSpec) -> AsyncIterator[RunStream]:
         """Submit ``spec`` and stream its events; leaving the block stops listening
         (the run itself goes on unless cancelled)."""
-        async with self.request_stream("run_request", request_from_spec(spec)) as replies:
+        async with self.stream("run_request", request_from_spec(spec)) as replies:
             accepted = await replies.first()
             assert isinstance(accepted, pb.RunAccepted)
             yield RunStream(replies, accepted.run_id, existing=accepted.existing)
@@ -180,26 +198,15 @@ class RunnerClient:
     async def follow(self, run_id: str, *, after_seq: int = 0) -> AsyncIterator[RunStream]:
         """Every event of ``run_id`` after ``after_seq``, to the terminal one, live or stored."""
         request = pb.GetRun(run_id=run_id, include_events=True, after_seq=after_seq, follow=True)
-        async with self.request_stream("get_run", request) as replies:
+        async with self.stream("get_run", request) as replies:
             info = await replies.first()
             assert isinstance(info, pb.RunInfo)
             yield _Followed(self, replies, info)
 
-    async def list_runs(
-        self,
-        *,
-        statuses: Collection[RunStatus] = (),
-        target: str = "",
-        tenant: str | None = None,
-        limit: int = 100,
-    ) -> list[pb.RunSummary]:
-        """Runs, newest first; empty ``statuses`` / ``target`` and ``tenant`` None match any."""
-        request = pb.ListRuns(
-            statuses=[status_to_pb(s) for s in statuses], target=target, limit=limit
-        )
-        if tenant is not None:
-            request.tenant = tenant
-        reply = await self.call("list_runs", request)
+    async def list_runs(self, query: RunQuery = LATEST_RUNS) -> list[pb.RunSummary]:
+        """The runs ``query`` asks for, newest first (:class:`~iop_trio.model.RunQuery`;
+        through an edge with identities, only the caller's own, whatever its prefix)."""
+        reply = await self.call("list_runs", query_to_pb(query))
         assert isinstance(reply, pb.RunList)
         return list(reply.runs)
 

@@ -137,12 +137,16 @@ class Ticket:
         finally:
             del self._waits[scope]
 
-    def _proved(self) -> None:
+    def mark_proven(self) -> None:
+        """Its connection proved who it is: its waits lose the handshake deadline.
+        The guard's own step: call :meth:`ConnectionGuard.prove`, which also counts it."""
         self.proven = True
         for scope, timeout in self._waits.items():
             scope.deadline = self._limit(timeout)
 
-    def _drop(self, why: str) -> None:
+    def mark_dropped(self, why: str) -> None:
+        """Its connection is dropped (``why``): every wait of its stream is cancelled.
+        The guard's own step: call :meth:`ConnectionGuard.drop`, which also releases it."""
         self.dropped = why
         for scope in self._waits:
             scope.cancel()
@@ -244,7 +248,7 @@ class ConnectionGuard:
         if ticket.proven or ticket.dropped or ticket.released:
             return
         self._forget_unproven(ticket)
-        ticket._proved()
+        ticket.mark_proven()
 
     def prove_address(self, address: object) -> None:
         """:meth:`prove` the connection whose whole peer address is ``address`` (an HTTP
@@ -260,7 +264,7 @@ class ConnectionGuard:
             return
         self.dropped += 1
         log.debug("dropping the connection from %s: %s", ticket.peer, why)
-        ticket._drop(why)
+        ticket.mark_dropped(why)
         self.release(ticket)
 
     def expire(self, ticket: Ticket) -> None:

@@ -1,29 +1,32 @@
 """The node's request service: answers an edge's requests from a :class:`Node`.
 
-Each request kind has a handler (``_on_<kind>``); the errors a request can
-meet map to error codes in :data:`ERROR_CODES`, and anything else is a bug
+Each request kind has a handler (``_on_<kind>``); the failures a request can
+meet are answered by the protocol's one error table
+(:data:`iop_trio.protocol.errors.ERROR_RULES`), and anything else is a bug
 that the session answers INTERNAL.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 
-from ..model import InvalidRequest, NodeUnavailable, UnknownRun, UnknownTarget
+import attrs
+
+from ..model import UnknownRun
 from ..protocol import Request, pb
 from ..protocol.convert import (
     event_to_pb,
     limits_to_pb,
+    query_from_pb,
     spec_from_request,
-    status_from_pb,
     status_to_pb,
     summary_from_record,
     tenant_limits_from_pb,
 )
+from ..protocol.errors import TooLate, refusal_for
 from ..runtime import Node
 from ..store import StoreUnavailable
-from .session import ProtoSession, TooLate
+from .session import ProtoSession
 
 log = logging.getLogger(__name__)
 
@@ -32,24 +35,6 @@ MAX_LIST = 1000
 #: The least time (seconds) a run request's sender must still wait for its answer for
 #: the node to begin it (make its run): less, and it would be answered too late.
 MIN_TIME_LEFT = 0.25
-
-#: The error code each expected failure of a request is answered with.
-ERROR_CODES: Mapping[type[Exception], pb.ErrorCode] = {
-    UnknownTarget: pb.ERROR_CODE_UNKNOWN_TARGET,
-    UnknownRun: pb.ERROR_CODE_UNKNOWN_RUN,
-    InvalidRequest: pb.ERROR_CODE_INVALID,
-    NodeUnavailable: pb.ERROR_CODE_UNAVAILABLE,
-    StoreUnavailable: pb.ERROR_CODE_STORE_UNAVAILABLE,
-    TooLate: pb.ERROR_CODE_UNAVAILABLE,
-}
-
-#: The retry hint (seconds) of the failures that pass: a draining node, a store that
-#: cannot write (it retries every second and catches up when it can).
-RETRY_AFTER: Mapping[type[Exception], float] = {
-    NodeUnavailable: 5.0,
-    StoreUnavailable: 5.0,
-    TooLate: 1.0,
-}
 
 
 class RunService:
@@ -74,10 +59,13 @@ class RunService:
             return
         try:
             await handler(session, request.nonce, request.message)
-        except tuple(ERROR_CODES) as exc:
-            code = next(c for kind, c in ERROR_CODES.items() if isinstance(exc, kind))
-            hint = next((h for kind, h in RETRY_AFTER.items() if isinstance(exc, kind)), None)
-            await session.error(request.nonce, code, str(exc), retry_after=hint)
+        except Exception as exc:
+            refusal = refusal_for(exc, request.kind)
+            if refusal is None:
+                raise
+            await session.error(
+                request.nonce, refusal.code, refusal.message, retry_after=refusal.retry_after
+            )
 
     async def _on_run_request(
         self, session: ProtoSession, nonce: int, message: pb.RunRequest
@@ -165,14 +153,9 @@ class RunService:
             await self._stream(session, nonce, message.run_id, after_seq=after)
 
     async def _on_list_runs(self, session: ProtoSession, nonce: int, message: pb.ListRuns) -> None:
-        statuses = [status_from_pb(s) for s in message.statuses]
-        limit = min(message.limit or 100, MAX_LIST)
+        query = query_from_pb(message)
         records = await self.node.manager.list_runs(
-            statuses=statuses,
-            target=message.target,
-            tenant=message.tenant if message.HasField("tenant") else None,
-            run_id_prefix=message.run_id_prefix,
-            limit=limit,
+            attrs.evolve(query, limit=min(query.limit, MAX_LIST))
         )
         await session.reply(
             nonce, "run_list", pb.RunList(runs=[summary_from_record(r) for r in records])

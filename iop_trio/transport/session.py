@@ -58,19 +58,17 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 from ..protocol import ProtocolError, ProtoConnection, Reply, Request, Role, StaleReply, pb
 from ..protocol.convert import merge_deltas
 
+# the failures of an exchange, and a gatekeeper's answer, are the protocol's error table's
+# (re-exported: these are their public names on the transport)
+from ..protocol.errors import Refusal as Refusal
+from ..protocol.errors import RemoteError as RemoteError
+from ..protocol.errors import ReplyTimeout as ReplyTimeout
+from ..protocol.errors import SessionClosed as SessionClosed
+from ..protocol.errors import TooLate as TooLate
+
 log = logging.getLogger(__name__)
 
 RequestHandler = Callable[["ProtoSession", Request], Awaitable[None]]
-
-
-@attrs.frozen
-class Refusal:
-    """A request's answer when a gatekeeper turns it away: an error code, a message and
-    a retry hint in seconds (None: none)."""
-
-    code: int
-    message: str
-    retry_after: float | None = None
 
 
 #: Says whether a request may be queued: None, or the Refusal that answers it at once.
@@ -81,30 +79,6 @@ STREAM_BUFFER = 10_000
 #: The close code of a session whose peer does not read what it is sent (policy violation).
 CLOSE_NOT_READING = 1008
 _session_ids = itertools.count(1)
-
-
-class SessionClosed(Exception):
-    """The session ended before the answer came."""
-
-
-class ReplyTimeout(Exception):
-    """The peer did not answer (or did not go on with a stream) in time."""
-
-
-class TooLate(Exception):
-    """The sender of a request gives up (its ``answer_within``) before an answer could
-    reach it, so the request is not begun: answered UNAVAILABLE."""
-
-
-class RemoteError(Exception):
-    """The peer answered with an Error envelope; ``retry_after`` (seconds) is its hint
-    of when to try again, None if it gave none."""
-
-    def __init__(self, code: int, message: str, retry_after: float | None = None) -> None:
-        super().__init__(f"{pb.ErrorCode.Name(code)}: {message}")
-        self.code = code
-        self.message = message
-        self.retry_after = retry_after
 
 
 #: Seconds :meth:`ProtoSession.aclose` waits for what was sent to be written.
@@ -162,12 +136,13 @@ class ReplyStream:
 
     Iteration ends after the final reply. An Error reply raises RemoteError;
     the session ending early raises SessionClosed. The session's protocol
-    state keeps the stream as the waiter of its request's nonce.
+    state ``conn`` keeps the stream as the waiter of its request's nonce, and
+    the session's reader gives it each reply (:meth:`deliver`).
     """
 
     def __init__(
         self,
-        session: ProtoSession,
+        conn: ProtoConnection[ReplyStream],
         kind: str,
         message: Message,
         *,
@@ -175,11 +150,9 @@ class ReplyStream:
         idle_timeout: float | None = None,
         answer_within: float = 0.0,
     ) -> None:
-        self._session = session
+        self._conn = conn
         self.kind = kind
-        self.nonce, self.frame = session._conn.request(
-            kind, message, self, answer_within=answer_within
-        )
+        self.nonce, self.frame = conn.request(kind, message, self, answer_within=answer_within)
         self._send, self._receive = trio.open_memory_channel[Reply[ReplyStream] | BaseException](
             STREAM_BUFFER
         )
@@ -192,12 +165,16 @@ class ReplyStream:
     def __repr__(self) -> str:
         return f"<ReplyStream nonce={self.nonce} done={self._done}>"
 
-    def _deliver(self, item: Reply[ReplyStream] | BaseException) -> None:
+    def deliver(self, item: Reply[ReplyStream] | BaseException) -> None:
+        """Hand the consumer a reply, or the exception its next ``__anext__`` raises; the
+        session's reader calls it, never waiting. A consumer that is
+        :data:`STREAM_BUFFER` replies behind is cut off (its stream ends with
+        SessionClosed) rather than stall the reader, and drops whatever comes after."""
         try:
             self._send.send_nowait(item)
         except trio.WouldBlock:
             # the consumer is far behind: end its stream rather than stall the reader
-            self._session._conn.forget(self.nonce)
+            self._conn.forget(self.nonce)
             self._send.close()
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass
@@ -269,7 +246,7 @@ class ReplyStream:
     def close(self) -> None:
         """Stop listening; later replies are dropped."""
         self._done = True
-        self._session._conn.forget(self.nonce)
+        self._conn.forget(self.nonce)
 
 
 class ProtoSession:
@@ -366,7 +343,7 @@ class ProtoSession:
             self._stream_lot.unpark_all()
             for stream in self._conn.forget_all():
                 # one exception each: a shared one would grow its traceback with every raise
-                stream._deliver(SessionClosed(f"session {self.name} ended: {self.close_reason}"))
+                stream.deliver(SessionClosed(f"session {self.name} ended: {self.close_reason}"))
             self.ended.set()
         return self.close_reason
 
@@ -411,14 +388,14 @@ class ProtoSession:
                 self.bad_frames += 1
                 log.warning("session %s: bad frame: %s", self.name, exc.message)
                 if isinstance(exc.waiter, ReplyStream):
-                    exc.waiter._deliver(RemoteError(exc.code, exc.message))
+                    exc.waiter.deliver(RemoteError(exc.code, exc.message))
                 self._send_now(self._conn.error(exc.reply_to, exc.code, exc.message))
                 continue
             if isinstance(incoming, Request):
                 self._admit(incoming)
             elif isinstance(incoming, Reply):
                 if incoming.waiter is not None:
-                    incoming.waiter._deliver(incoming)
+                    incoming.waiter.deliver(incoming)
             elif isinstance(incoming, StaleReply):
                 log.debug(
                     "session %s: stale %s for %d", self.name, incoming.kind, incoming.reply_to
@@ -740,7 +717,7 @@ class ProtoSession:
         if self._closed:
             raise SessionClosed(f"session {self.name} is closed")
         return ReplyStream(
-            self,
+            self._conn,
             kind,
             message,
             ack_timeout=ack_timeout,
