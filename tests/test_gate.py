@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from iop_trio.model import MIN_RETRY_AFTER, RejectReason, TenantLimits
-from iop_trio.runtime.gate import Gate, GateRejected
+from iop_trio.runtime.gate import Admitted, Expired, Gate, GateDecision, GateRejected
 
 
 def gate_with(targets: dict[str, int], *, concurrency: int = 100, **kw: float) -> Gate:
@@ -209,17 +209,14 @@ async def test_enter_now_grants_what_enter_would_grant_at_once_and_else_changes_
     assert gate.statistics() == before
     assert not gate.is_waiting("two")
     # enter then queues as if enter_now had not been asked, and the release grants it
-    granted: list[object] = []
-    queued = gate.enter(
-        "two",
-        "echo/a",
-        tenant="passing",
-        on_grant=granted.append,
-        on_expire=lambda _: pytest.fail("expired"),
-    )
+    decided: list[GateDecision] = []
+    gate.decide = decided.append
+    queued = gate.enter("two", "echo/a", tenant="passing")
     assert queued is None and gate.statistics().queued == 1
     first.release()
-    (permit,) = granted
+    (decision,) = decided
+    assert isinstance(decision, Admitted) and decision.borrower == "two"
+    permit = decision.permit
     assert gate.statistics().queued == 0
     permit.release()  # type: ignore[attr-defined]
     assert set(gate.statistics().tenants) == {"t"}
@@ -448,3 +445,30 @@ async def test_a_stream_of_newcomers_does_not_starve_a_backlogged_tenant():
         nursery.cancel_scope.cancel()
     heavy = sum(name.startswith("heavy") for name in granted)
     assert heavy >= 5, granted
+
+
+async def test_a_run_waiting_as_data_ends_in_one_decision_for_whoever_decides(autojump_clock):
+    """Gate.enter hands its waiting runs' ends to Gate.decide: a grant when room comes,
+    an expiry at the queue deadline; a gate nobody decides for queues nothing."""
+    gate = gate_with({"echo/a": 1})
+    busy = gate.enter_now("busy", "echo/a")
+    assert busy is not None
+    with pytest.raises(RuntimeError, match=r"Gate\.decide"):
+        gate.enter("nobody-decides", "echo/a")
+    assert gate.statistics().queued == 0 and not gate.is_waiting("nobody-decides")
+    decided: list[GateDecision] = []
+    gate.decide = decided.append
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(gate.expire_waiting)
+        assert gate.enter("hasty", "echo/a", queue_timeout=1) is None
+        assert gate.enter("patient", "echo/a", queue_timeout=60) is None
+        await trio.sleep(2)
+        (expired,) = decided
+        assert isinstance(expired, Expired) and expired.borrower == "hasty"
+        assert expired.rejected.reason is RejectReason.QUEUE_TIMEOUT
+        busy.release()
+        (_, admitted) = decided
+        assert isinstance(admitted, Admitted) and admitted.borrower == "patient"
+        admitted.permit.release()
+        nursery.cancel_scope.cancel()
+    assert gate.statistics().global_.borrowed == 0

@@ -13,10 +13,12 @@ token budgets, refusals, holds) are the scheduler's; see its module docstring.
 Runs wait in one of two ways. :meth:`Gate.acquire` is for a task that waits (it parks
 with ``wait_task_rescheduled``; its abort takes the ticket out of the queue, so a
 deadline or a cancel can never race a grant). :meth:`Gate.enter` never waits: a permit
-now, a :class:`GateRejected` now, or the run waits as data, and later exactly one of
-its ``on_grant`` (by whoever made room, synchronously), its ``on_expire`` (by the one
-:meth:`Gate.expire_waiting` task at its queue deadline) or :meth:`Gate.withdraw` (which
-calls neither) ends its wait. The same task wakes the scheduler when the time brings
+now, a :class:`GateRejected` now, or the run waits as data, and later exactly one
+decision ends its wait: :class:`Admitted` (by whoever made room, synchronously),
+:class:`Expired` (by the one :meth:`Gate.expire_waiting` task at its queue deadline), or
+:meth:`Gate.withdraw` (its owner's, which decides nothing). The gate hands each decision
+to the one :attr:`Gate.decide` its owner set (the run manager, while it runs), so no
+per-run callback goes into the gate. The same task wakes the scheduler when the time brings
 room (a tenant's token rate refilled, a hold to place).
 
 A run settles its tokens when it releases its permit: :meth:`Permit.settle` says what it
@@ -78,12 +80,10 @@ def _limit(value: float) -> int | float:
 
 @attrs.define(eq=False, repr=False)
 class _Waiter:
-    """How a waiting ticket is told its wait is over: a task parked in acquire(), or the
-    callbacks of enter()."""
+    """How a waiting ticket is told its wait is over: a task parked in acquire(), or (no
+    task) a decision for :attr:`Gate.decide`, for a run that waits as data."""
 
     task: trio.lowlevel.Task | None = None
-    on_grant: Callable[[Permit], None] | None = None
-    on_expire: Callable[[GateRejected], None] | None = None
     refusal: Refusal | None = None  # a task's, when its deadline passed
     withdrawn: bool = False  # a task's, when withdraw() took it out
 
@@ -174,6 +174,27 @@ def _stats(stats: PoolStats, limiter: trio.CapacityLimiter | None) -> LimiterSta
     return LimiterStats(_limit(stats.limit), borrowed, stats.budget, stats.reserved)
 
 
+@attrs.frozen
+class Admitted:
+    """The gate granted a run that waited as data: ``permit`` is its own to release."""
+
+    borrower: object
+    permit: Permit
+
+
+@attrs.frozen
+class Expired:
+    """A run that waited as data reached its queue deadline first: ``rejected`` says why
+    (it holds nothing)."""
+
+    borrower: object
+    rejected: GateRejected
+
+
+#: What the gate decides about a run that waits as data (:meth:`Gate.enter`).
+GateDecision = Admitted | Expired
+
+
 class Gate:
     """Admits runs under the tenant / target / adapter / node limits and token budgets;
     see the module docstring and :class:`~.scheduler.Scheduler` (whose arguments these
@@ -205,6 +226,10 @@ class Gate:
         self._waiters: dict[Ticket, _Waiter] = {}
         self._changed = trio.lowlevel.ParkingLot()  # wakes expire_waiting
         self._limiter(self.scheduler.node)
+        #: who carries out each :data:`GateDecision` about a run that waits as data, at
+        #: once and in the order made (it must not raise nor wait): the run manager sets
+        #: it while it runs; :meth:`enter` refuses to queue a run while it is None
+        self.decide: Callable[[GateDecision], None] | None = None
 
     def __repr__(self) -> str:
         g = self.global_limiter()
@@ -455,8 +480,6 @@ class Gate:
         borrower: object,
         target: str,
         *,
-        on_grant: Callable[[Permit], None],
-        on_expire: Callable[[GateRejected], None],
         priority: int = 0,
         tenant: str = "",
         queue_timeout: float | None = None,
@@ -466,11 +489,12 @@ class Gate:
 
         Returns a Permit if the run may start now; raises GateRejected if it is refused
         at once (as ``acquire`` would be before waiting); else it waits in the queue and
-        None is returned. Then exactly one of these happens: ``on_grant(permit)`` is
-        called when it is granted (synchronously, by whoever made room: it must not
-        raise nor wait), ``on_expire(rejected)`` when its queue deadline passes first
-        (by :meth:`expire_waiting`), or :meth:`withdraw` takes it out (and calls
-        neither). The order between runs is the same as for runs waiting in ``acquire``.
+        None is returned. Then exactly one of these happens: :attr:`decide` gets
+        ``Admitted(borrower, permit)`` when it is granted (synchronously, by whoever
+        made room), ``Expired(borrower, rejected)`` when its queue deadline passes first
+        (by :meth:`expire_waiting`), or :meth:`withdraw` takes it out (no decision). The
+        order between runs is the same as for runs waiting in ``acquire``. RuntimeError,
+        and the gate as it was, if the run would wait and :attr:`decide` is None.
         """
         ticket = self.scheduler.ticket(
             borrower,
@@ -486,7 +510,12 @@ class Gate:
         if ticket.granted:
             self._borrow(ticket)
             return Permit(self, ticket)
-        self._waiters[ticket] = _Waiter(on_grant=on_grant, on_expire=on_expire)
+        if self.decide is None:
+            _, granted = self.scheduler.withdraw(borrower, trio.current_time())
+            self._forget_limiter(ticket)
+            self._carry_out(granted)
+            raise RuntimeError("a run waits as data only while Gate.decide is set")
+        self._waiters[ticket] = _Waiter()
         self._changed.unpark_all()
         return None
 
@@ -515,7 +544,7 @@ class Gate:
 
     async def expire_waiting(self) -> None:
         """Until cancelled: reject each run waiting as data (:meth:`enter`) whose queue
-        deadline has passed, with ``on_expire``, and let in what the time lets in (a
+        deadline has passed (an :class:`Expired` decision), and let in what the time lets in (a
         token rate that refilled). One task per gate runs this."""
         while True:
             now = trio.current_time()
@@ -527,8 +556,7 @@ class Gate:
                     waiter.refusal = refusal
                     trio.lowlevel.reschedule(waiter.task)
                 else:
-                    assert waiter.on_expire is not None
-                    waiter.on_expire(GateRejected.of(refusal))
+                    self._tell(Expired(ticket.key, GateRejected.of(refusal)))
             self._carry_out(granted)
             with trio.move_on_at(self.scheduler.wakeup(trio.current_time())):
                 await self._changed.park()
@@ -588,8 +616,12 @@ class Gate:
         for ticket in granted:
             self._borrow(ticket)
             waiter = self._waiters.pop(ticket)
-            if waiter.on_grant is not None:
-                waiter.on_grant(Permit(self, ticket))
+            if waiter.task is None:
+                self._tell(Admitted(ticket.key, Permit(self, ticket)))
             else:
-                assert waiter.task is not None
                 trio.lowlevel.reschedule(waiter.task)
+
+    def _tell(self, decision: GateDecision) -> None:
+        # enter() queued the run only with decide set; it stays set while runs wait
+        assert self.decide is not None, decision
+        self.decide(decision)

@@ -66,7 +66,7 @@ from ..model import (
     tenant_problem,
 )
 from ..store.base import RunStore, StoreError, StoreHealth, StoreUnavailable
-from .gate import Gate, GateRejected, Permit
+from .gate import Admitted, Expired, Gate, GateDecision, GateRejected, Permit
 from .live import Listener, LiveRun, LiveRuns, Outcome, RunPhase, RunWatcher
 from .live import notify as notify  # runtime/node.py imports it from here
 from .pipeline import EngineAnswered, FirstToken, StreamRelay
@@ -188,6 +188,9 @@ class RunManager:
         self._admitting = True
         # runs wait in the gate as data; their queue deadlines are kept by one task
         nursery.start_soon(gate.expire_waiting)
+        # what the runs waiting in the gate as data go on with once it decides
+        self._as_data: dict[LiveRun, tuple[TargetSpec, RunSpec]] = {}
+        gate.decide = self._decided
         # a prompt's tokens where the engine reports none (model.estimate_prompt_tokens)
         self.chars_per_token = chars_per_token
         self._run_ended = run_ended
@@ -322,7 +325,7 @@ class RunManager:
         if went is not None:  # admitted at once, refused, or cancelled while stored
             await went()
         # else this task ends: the run waits in the gate as data (a grant starts its next
-        # task, _admitted; its deadline or a cancel ends it, _expired, _cancel), or a run
+        # task, by _decided; its deadline (_decided) or a cancel (_cancel) ends it), or a run
         # that came before it is stored but not yet woken, and lets it in (the store
         # writes in order, so within the scheduler's round)
 
@@ -352,8 +355,6 @@ class RunManager:
             permit = self._gate.enter(
                 live,
                 spec.target,
-                on_grant=partial(self._admitted, live, target, spec),
-                on_expire=partial(self._expired, live),
                 priority=spec.priority,
                 tenant=spec.tenant,
                 queue_timeout=spec.queue_timeout,
@@ -362,6 +363,7 @@ class RunManager:
         except GateRejected as rejected:
             return partial(self._finish, live, _rejected(rejected))
         if permit is None:
+            self._as_data[live] = (target, spec)
             return None
         live.admit(permit)
         return partial(self._carry_on, live, target, spec, permit)
@@ -412,14 +414,25 @@ class RunManager:
             "was not created: retry later"
         )
 
-    def _admitted(self, live: LiveRun, target: TargetSpec, spec: RunSpec, permit: Permit) -> None:
-        """The gate granted a run that waited as data: its task goes on from here."""
-        live.admit(permit)
-        self._nursery.start_soon(self._carry_on, live, target, spec, permit)
+    def _decided(self, decision: GateDecision) -> None:
+        """Carry out the gate's decision about a run that waited as data (Gate.decide):
+        an admitted run's task goes on from here; an expired one ends REJECTED."""
+        live = decision.borrower
+        assert isinstance(live, LiveRun), decision
+        target, spec = self._as_data.pop(live)
+        match decision:
+            case Admitted(permit=permit):
+                live.admit(permit)
+                self._nursery.start_soon(self._carry_on, live, target, spec, permit)
+            case Expired(rejected=rejected):
+                self._nursery.start_soon(self._finish, live, _rejected(rejected))
 
-    def _expired(self, live: LiveRun, rejected: GateRejected) -> None:
-        """A run that waited as data reached its queue deadline."""
-        self._nursery.start_soon(self._finish, live, _rejected(rejected))
+    def _withdraw(self, live: LiveRun) -> bool:
+        """Take ``live`` out of the gate's queue if it waits there as data (True)."""
+        if not self._gate.withdraw(live):
+            return False
+        del self._as_data[live]
+        return True
 
     async def _carry_on(
         self,
@@ -564,7 +577,7 @@ class RunManager:
         asked = Outcome(RunStatus.CANCELLED, reason)
         if not live.ask(asked):
             return False
-        if self._gate.withdraw(live):  # it waited as data: it never starts, and ends here
+        if self._withdraw(live):  # it waited as data: it never starts, and ends here
             self._nursery.start_soon(self._finish, live, asked)
         else:
             live.scope.cancel()
@@ -584,7 +597,7 @@ class RunManager:
             if not live.ask(asked):
                 continue
             cancelled.append(live.state.record.run_id)
-            if self._gate.withdraw(live):
+            if self._withdraw(live):
                 waiting.append(live)
             else:
                 live.scope.cancel()
