@@ -52,7 +52,7 @@ from .model import (
     tenant_problem,
 )
 from .runtime import AdapterSlot, RuntimeLimits
-from .runtime.scheduler import HOLD_AFTER
+from .runtime.tickets import HOLD_AFTER
 from .structure import problems, strict_converter
 from .transport.tls import client_context
 
