@@ -109,7 +109,7 @@ import trio
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 import iop_trio
-from iop_trio.adapters._http import SSEDecoder
+from iop_trio.adapters.stream_formats import SSEDecoder
 from iop_trio.model import EventKind, RunSpec
 from iop_trio.transport import RemoteError, RunnerClient, open_runner
 

@@ -1,9 +1,13 @@
 """The node's data: runs, their events and statuses, targets, limits, and what can go wrong.
 
 Plain attrs classes and enums that every layer shares (protocol, store,
-adapters, runtime, transport). This module imports only attrs and the
-standard library; the rules of how a run moves from one status to another
-live in :mod:`iop_trio.lifecycle`, which alone makes events.
+adapters, runtime, transport). This module imports only attrs, the
+standard library and its three helpers below it, whose names it re-exports:
+:mod:`iop_trio.tokens` (usage, prompt estimates, the token bucket),
+:mod:`iop_trio.options` (the rules of a caller's run options) and
+:mod:`iop_trio.checks` (what a limit, a duration or a weight must be). The rules
+of how a run moves from one status to another live in :mod:`iop_trio.lifecycle`,
+which alone makes events.
 """
 
 from __future__ import annotations
@@ -11,10 +15,95 @@ from __future__ import annotations
 import enum
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import attrs
+
+from .checks import (
+    check_limit,
+    check_seconds,
+    field_check,
+    limit_problem,
+    positive_problem,
+    seconds_problem,
+)
+from .options import (
+    OPTION_FLOORS,
+    PINNED_OPTIONS,
+    OptionRange,
+    option_range,
+    option_rules_problem,
+    overlay,
+    pinned_problem,
+)
+from .tokens import (
+    CHARS_PER_TOKEN,
+    AutoConcurrency,
+    EngineSignals,
+    Prompted,
+    TokenBucket,
+    Usage,
+    estimate_prompt_tokens,
+    prompt_bytes,
+    settle_usage,
+)
+
+# The values of the tokens, caller options and value checks live in their own modules
+# (below this one); they are re-exported here, where every layer imports them from.
+__all__ = [
+    "CHARS_PER_TOKEN",
+    "LIVE_STATUSES",
+    "MAX_JOINED_TEXT",
+    "MAX_OUTPUT_TOKENS",
+    "MAX_RETRY_AFTER",
+    "MIN_RETRY_AFTER",
+    "OPTION_FLOORS",
+    "PINNED_OPTIONS",
+    "REJECT_REASONS",
+    "TENANT_NAME",
+    "TERMINAL_STATUSES",
+    "TOKENIZERS",
+    "AdapterInfo",
+    "AutoConcurrency",
+    "Capabilities",
+    "EngineSignals",
+    "EventKind",
+    "InvalidRequest",
+    "Limits",
+    "NodeInfo",
+    "NodeUnavailable",
+    "OptionRange",
+    "Prompted",
+    "RejectReason",
+    "RunEvent",
+    "RunRecord",
+    "RunSpec",
+    "RunStatus",
+    "TargetSpec",
+    "TenantLimits",
+    "TokenBucket",
+    "UnknownRun",
+    "UnknownTarget",
+    "Usage",
+    "check_limit",
+    "check_seconds",
+    "check_tenant_limits",
+    "clamp_retry_after",
+    "estimate_prompt_tokens",
+    "field_check",
+    "limit_problem",
+    "option_range",
+    "option_rules_problem",
+    "overlay",
+    "pinned_problem",
+    "positive_problem",
+    "prompt_bytes",
+    "redact_url",
+    "seconds_problem",
+    "settle_usage",
+    "tenant_problem",
+]
 
 # --- statuses and events ---------------------------------------------------------------------
 
@@ -110,99 +199,6 @@ def clamp_retry_after(seconds: float) -> float:
 #: engine sent at once, or on the wire from deltas that waited), so its frame stays far
 #: below max_message_size; one piece longer than that is kept whole.
 MAX_JOINED_TEXT = 64 * 1024
-
-
-@attrs.frozen(repr=False)
-class Usage:
-    """A run's tokens: what its engine reported at the end, and what the node settled.
-
-    An adapter's :class:`~iop_trio.adapters.base.Completion` carries what the engine
-    reported (a count it did not report is None). The end of a run that started
-    carries both counts (:func:`settle_usage`): the engine's where it reported them,
-    else the node's, and then ``prompt_estimated`` / ``completion_estimated`` is True.
-    A count may still be None in a record stored before the node settled usage.
-    """
-
-    done_reason: str = ""
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    # the count is the node's (the prompt from its size, the completion from the run's
-    # deltas), not the engine's report
-    prompt_estimated: bool = False
-    completion_estimated: bool = False
-
-    @property
-    def estimated(self) -> bool:
-        """True if either count is the node's estimate rather than the engine's report."""
-        return self.prompt_estimated or self.completion_estimated
-
-    def __repr__(self) -> str:
-        def count(n: int | None, estimated: bool) -> str:
-            return f"{'-' if n is None else n}{'~' if estimated else ''}"
-
-        reason = f" {self.done_reason}" if self.done_reason else ""
-        prompt = count(self.prompt_tokens, self.prompt_estimated)
-        completion = count(self.completion_tokens, self.completion_estimated)
-        return f"<Usage{reason} in={prompt} out={completion}>"
-
-
-#: Characters of text a token holds, for an estimate where an engine reports no count
-#: (about 4 for English text with common tokenizers); ``runtime.chars_per_token`` sets it.
-CHARS_PER_TOKEN = 4.0
-
-
-class Prompted(Protocol):
-    """What a run asks its engine: a RunSpec, a RunRecord or an AdapterRequest."""
-
-    @property
-    def prompt(self) -> str: ...
-
-    @property
-    def messages(self) -> tuple[tuple[str, str], ...]: ...
-
-
-def prompt_bytes(run: Prompted) -> int:
-    """The size of what a run asks the engine, in UTF-8: its prompt and chat messages
-    (roles included)."""
-    return len(run.prompt.encode()) + sum(
-        len(role.encode()) + len(content.encode()) for role, content in run.messages
-    )
-
-
-def estimate_prompt_tokens(run: Prompted | str, chars_per_token: float = CHARS_PER_TOKEN) -> int:
-    """An estimate of the tokens of ``run``'s prompt (or of a text): its UTF-8 bytes
-    (:func:`prompt_bytes`) over ``chars_per_token``, rounded up, so any prompt that is
-    not empty counts at least 1; a text of several bytes a character (not Latin) counts
-    more, as tokenizers split it finer. ValueError unless ``chars_per_token`` is a
-    finite number > 0.
-
-    Who must count tokens before an engine has (admission, a settled usage) asks this,
-    so the node's estimates agree with each other."""
-    problem = positive_problem(chars_per_token)
-    if problem is not None:
-        raise ValueError(f"chars_per_token {problem}")
-    size = len(run.encode()) if isinstance(run, str) else prompt_bytes(run)
-    return math.ceil(size / chars_per_token)
-
-
-def settle_usage(
-    reported: Usage | None, *, prompt: int, completion: int, prompt_exact: bool = False
-) -> Usage:
-    """The usage the end of a run that started carries: each count the engine
-    ``reported`` (exact), else the node's, marked estimated: ``prompt`` (its estimate of
-    the run's prompt, :func:`estimate_prompt_tokens`) and ``completion`` (the engine
-    tokens of the run's delta events, :attr:`RunEvent.tokens`). A reported count is
-    kept even where the node counted otherwise. ``prompt_exact``: the node's ``prompt``
-    is the engine tokenizer's own count (asked at admission), not an estimate."""
-    reported = reported or Usage()
-    prompt_tokens, completion_tokens = reported.prompt_tokens, reported.completion_tokens
-    return Usage(
-        reported.done_reason,
-        prompt if prompt_tokens is None else prompt_tokens,
-        completion if completion_tokens is None else completion_tokens,
-        prompt_estimated=prompt_tokens is None and not prompt_exact,
-        completion_estimated=completion_tokens is None,
-    )
 
 
 @attrs.frozen
@@ -354,28 +350,6 @@ TOKENIZERS = frozenset({"estimate", "vllm", "llamacpp"})
 MAX_OUTPUT_TOKENS = 1024
 
 
-@attrs.frozen
-class EngineSignals:
-    """What an engine says of its own load (its metrics): requests waiting inside it,
-    requests it runs (None: not said), the share of its KV cache in use, 0..1 (None:
-    not said), and when they were read (the node's clock)."""
-
-    waiting: float
-    running: float | None
-    kv_usage: float | None
-    at: float
-
-
-@attrs.frozen
-class AutoConcurrency:
-    """A concurrency learned, not set: between ``minimum`` and ``maximum`` runs at once,
-    from the engine's own signals where it exposes them (``engine``), else from the
-    latency of its runs (``latency``); see :mod:`iop_trio.runtime.capacity`."""
-
-    minimum: int = 1
-    maximum: int = 64
-
-
 def _names_or_none(names: Iterable[str] | None) -> frozenset[str] | None:
     return None if names is None else frozenset(names)
 
@@ -469,101 +443,6 @@ class TargetSpec:
         return given
 
 
-#: Run options no caller may ever set: they choose the engine, the model or what the
-#: operator pins (a mapping option is refused whole; its keys may be allowed one by one).
-PINNED_OPTIONS = frozenset(
-    {
-        "model",
-        "base_url",
-        "messages",
-        "prompt",
-        "stream",
-        "stream_options",
-        "keep_alive",
-        "system",
-        "format",
-        "extra_body",
-        "options",
-        "api_key",
-        "headers",
-    }
-)
-
-
-def pinned_problem(name: str) -> str | None:
-    """Why ``name`` cannot be in a target's ``allow_options``, or None."""
-    if name in PINNED_OPTIONS or name.rpartition(".")[2] in PINNED_OPTIONS:
-        return f"option {name!r} is pinned by the operator; no caller may set it"
-    return None
-
-
-#: The low end of a capped option's range when its target gives none (see
-#: :func:`option_range`): a count of tokens or choices is at least 1 (engines read 0 or
-#: less as "no limit": Ollama's ``num_predict`` -1 writes until the context is full,
-#: -2 until it is filled), any other option 0.
-OPTION_FLOORS: Mapping[str, float] = {
-    "max_tokens": 1,
-    "max_completion_tokens": 1,
-    "num_predict": 1,
-    "n": 1,
-}
-
-
-@attrs.frozen
-class OptionRange:
-    """The range of a capped option: a caller's value under ``low`` is refused, one over
-    ``high`` lowered to it (None: no high end)."""
-
-    low: float
-    high: float | None
-
-
-def option_range(name: str, cap: object) -> OptionRange:
-    """The range an ``option_caps`` entry means: a number is the high end, with the low
-    end of :data:`OPTION_FLOORS` (by the option's last name part; 0 if not there); a
-    mapping gives ``min`` and/or ``max`` itself (``{min: -2, max: 2}``). The entry must
-    be valid (:func:`option_rules_problem`)."""
-    floor = OPTION_FLOORS.get(name.rpartition(".")[2], 0)
-    if isinstance(cap, Mapping):
-        high = cap.get("max")
-        return OptionRange(float(cap.get("min", floor)), None if high is None else float(high))
-    assert isinstance(cap, int | float)
-    return OptionRange(float(floor), float(cap))
-
-
-def _cap_problem(cap: object) -> str | None:
-    if not isinstance(cap, Mapping):
-        return positive_problem(cap)
-    if not cap or not set(cap) <= {"min", "max"}:
-        return f"must be a number > 0 or a mapping of min and/or max, not {cap!r}"
-    for key, value in cap.items():
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return f"{key} must be a number, not {value!r}"
-        if not math.isfinite(value):
-            return f"{key} must be a finite number, not {value!r}"
-    if "min" in cap and "max" in cap and cap["min"] > cap["max"]:
-        return f"min {cap['min']!r} is over max {cap['max']!r}"
-    return None
-
-
-def option_rules_problem(
-    allow: Iterable[str], caps: Mapping[str, object]
-) -> tuple[str, str] | None:
-    """What is wrong with a target's rules for caller options, as (the key at fault,
-    the problem), or None: an ``allow_options`` entry that is pinned, or an
-    ``option_caps.<name>`` that is neither a number > 0 nor a mapping of a finite
-    ``min`` and/or ``max`` (min <= max). Config and the node both ask."""
-    for name in sorted(allow):
-        problem = pinned_problem(name)
-        if problem is not None:
-            return "allow_options", problem
-    for name, cap in caps.items():
-        problem = _cap_problem(cap)
-        if problem is not None:
-            return f"option_caps.{name}", problem
-    return None
-
-
 def _check_option(target: TargetSpec, allowed: frozenset[str], name: str, leaf: str) -> None:
     if leaf in PINNED_OPTIONS or name not in allowed:
         may = ", ".join(sorted(allowed)) or "none"
@@ -611,22 +490,6 @@ def _capped(target: TargetSpec, name: str, value: Any) -> Any:
     return value
 
 
-def overlay(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    """``base`` with ``over`` on top; where both hold a mapping under one key, those merge too.
-
-    So a run's ``options={"options": {"temperature": 0}}`` keeps the profile's
-    ``options.num_ctx``.
-    """
-    merged = dict(base)
-    for key, value in over.items():
-        old = merged.get(key)
-        if isinstance(old, Mapping) and isinstance(value, Mapping):
-            merged[key] = overlay(old, value)
-        else:
-            merged[key] = value
-    return merged
-
-
 # --- what a node says about itself -----------------------------------------------------------
 
 
@@ -652,53 +515,6 @@ class TenantLimits:
     concurrency: int | None = None
     max_tokens_in_flight: int | None = None
     tokens_per_minute: float | None = None
-
-
-class TokenBucket:
-    """A rate, sans I/O: ``rate`` tokens a second refilled, at most ``size`` saved up. It
-    starts full. The time is passed in (any clock, as long as it is one clock).
-
-    :meth:`take` is for one request at a time (refused when there is not one token);
-    :meth:`charge` takes any amount and may leave a debt, which the refill pays before
-    anything else can be taken, and :meth:`credit` gives back (at most up to ``size``).
-    """
-
-    def __init__(self, rate: float, size: float, now: float) -> None:
-        self.rate = rate
-        self.size = size
-        self.tokens = size
-        self.stamp = now
-
-    def __repr__(self) -> str:
-        return f"<TokenBucket {self.tokens:.1f}/{self.size:g} +{self.rate:g}/s>"
-
-    def level(self, now: float) -> float:
-        """The tokens there are at ``now`` (negative while a debt is being paid)."""
-        self.tokens = min(self.size, self.tokens + max(0.0, now - self.stamp) * self.rate)
-        self.stamp = max(self.stamp, now)
-        return self.tokens
-
-    def wait_for(self, amount: float, now: float) -> float:
-        """Seconds from ``now`` until there are ``amount`` tokens (0 if there are now;
-        ``amount`` is taken as at most ``size``)."""
-        short = min(amount, self.size) - self.level(now)
-        return max(0.0, short / self.rate)
-
-    def take(self, now: float, cost: float = 1.0) -> float | None:
-        """Take ``cost`` tokens: None if there were that many, else the seconds until there
-        will be (nothing is taken then)."""
-        if self.level(now) >= cost:
-            self.tokens -= cost
-            return None
-        return (cost - self.tokens) / self.rate
-
-    def charge(self, cost: float) -> None:
-        """Take ``cost`` tokens, even into a debt."""
-        self.tokens -= cost
-
-    def credit(self, amount: float) -> None:
-        """Give ``amount`` tokens back (a negative amount charges more), up to ``size``."""
-        self.tokens = min(self.size, self.tokens + amount)
 
 
 def redact_url(url: str) -> str:
@@ -772,69 +588,6 @@ class NodeInfo:
     limits: Limits
     #: target name -> why its engine cannot serve it now (absent: available)
     unavailable: Mapping[str, str] = attrs.field(factory=dict)
-
-
-# --- limits ----------------------------------------------------------------------------------
-
-
-def limit_problem(value: object, minimum: int = 0) -> str | None:
-    """What is wrong with ``value`` as a concurrency or queue limit, or None if nothing.
-
-    A limit is an int (``True`` is not one) of at least ``minimum``.
-    """
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        return f"must be an integer >= {minimum}, not {value!r}"
-    return None
-
-
-def check_limit(what: str, value: object, minimum: int = 0) -> int:
-    """``value`` if it is a limit (see :func:`limit_problem`), else ValueError naming ``what``."""
-    problem = limit_problem(value, minimum)
-    if problem is not None:
-        raise ValueError(f"{what} {problem}")
-    assert isinstance(value, int)
-    return value
-
-
-def seconds_problem(value: object, *, positive: bool = False) -> str | None:
-    """What is wrong with ``value`` as a duration in seconds (>= 0, or > 0), or None."""
-    if (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and (value > 0 or (value == 0 and not positive))  # NaN is neither
-    ):
-        return None
-    if positive:
-        return f"must be a number of seconds > 0, not {value!r}"
-    return f"must be a number >= 0, not {value!r}"
-
-
-def positive_problem(value: object) -> str | None:
-    """What is wrong with ``value`` as a finite number > 0 (a weight, a cap), or None."""
-    if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf:
-        return None
-    return f"must be a number > 0, not {value!r}"
-
-
-def check_seconds(what: str, value: object, *, positive: bool = False) -> float:
-    """``value`` as a float if it is a duration (see :func:`seconds_problem`), else ValueError."""
-    problem = seconds_problem(value, positive=positive)
-    if problem is not None:
-        raise ValueError(f"{what} {problem}")
-    assert isinstance(value, int | float)
-    return float(value)
-
-
-def field_check(problem: Callable[[Any], str | None]) -> Callable[[Any, Any, Any], None]:
-    """An attrs validator from a ``*_problem`` function: None passes, else
-    ``ValueError("<field>: <problem>")`` (the form config errors name keys by)."""
-
-    def check(_: Any, attribute: Any, value: Any) -> None:
-        found = None if value is None else problem(value)
-        if found is not None:
-            raise ValueError(f"{attribute.name}: {found}")
-
-    return check
 
 
 # --- what can go wrong -----------------------------------------------------------------------

@@ -21,7 +21,7 @@ import pytest
 import trio
 
 from iop_trio.adapters import AdapterError, AdapterRequest, Completion, Delta
-from iop_trio.adapters._http import ENGINE_RETRY_AFTER, retry_after_hint, transport_error
+from iop_trio.adapters.http_errors import ENGINE_RETRY_AFTER, retry_after_hint, transport_error
 from iop_trio.model import MAX_RETRY_AFTER, MIN_RETRY_AFTER
 from iop_trio.runtime import EventKind, RunSpec, RunStatus, Usage
 

@@ -18,8 +18,9 @@ from iop_trio.adapters import (
     Delta,
     default_registry,
 )
-from iop_trio.adapters._http import HTTPAdapter, LineSplitter
+from iop_trio.adapters._http import HTTPAdapter
 from iop_trio.adapters.ollama import OllamaAdapter, OllamaSettings
+from iop_trio.adapters.stream_formats import LineSplitter
 from iop_trio.runtime import RunSpec, RunStatus, Usage
 
 from .engines import (

@@ -22,8 +22,9 @@ from iop_trio.adapters import (
     Delta,
     default_registry,
 )
-from iop_trio.adapters._http import HTTPAdapter, SSEDecoder, SSEEvent
+from iop_trio.adapters._http import HTTPAdapter
 from iop_trio.adapters.openai import OpenAIAdapter, OpenAISettings
+from iop_trio.adapters.stream_formats import SSEDecoder, SSEEvent
 from iop_trio.runtime import EventKind, RunSpec, RunStatus, Usage
 
 from .engines import (

@@ -22,8 +22,8 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from iop_trio.adapters import AdapterRequest, Completion, Delta
-from iop_trio.adapters._http import SSEDecoder
 from iop_trio.adapters.openai import OpenAIAdapter, OpenAISettings
+from iop_trio.adapters.stream_formats import SSEDecoder
 
 from .engines import collect
 

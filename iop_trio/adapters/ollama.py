@@ -22,7 +22,7 @@ Params (target profile overlaid by run options; None means "not set"):
 
 Other params are ignored (a profile may carry params of other adapters).
 
-Failures (see :mod:`iop_trio.adapters._http` for transport faults): a non-2xx
+Failures (see :mod:`iop_trio.adapters.http_errors` for transport faults): a non-2xx
 status -> ``engine_error`` with the engine's ``{"error": ...}`` message, or
 ``model_not_found`` for a 404 about the model; an ``{"error": ...}`` line
 mid-stream -> ``engine_error``; a line that is not a JSON object ->
@@ -39,18 +39,10 @@ import attrs
 import httpx
 
 from ..model import Usage
-from ._http import (
-    EngineResponse,
-    HTTPAdapter,
-    HTTPSettings,
-    LineSplitter,
-    LineTooLong,
-    check_base_url,
-    json_error,
-    parse_json,
-    quote,
-)
+from ._http import EngineResponse, HTTPAdapter, HTTPSettings, check_base_url
 from .base import AdapterError, AdapterRequest, Chunk, Completion, Delta
+from .http_errors import json_error, parse_json, quote
+from .stream_formats import LineSplitter, LineTooLong
 
 #: Params that go into Ollama's ``options`` (its model parameters).
 OPTION_KEYS = frozenset(

@@ -3,7 +3,7 @@
 Every run POSTs ``{base_url}/v1/chat/completions`` with ``"stream": true``
 (``base_url`` may already end in ``/v1``); a prompt-only run is sent as one
 user message. The response is read as server-sent events (see
-:class:`~iop_trio.adapters._http.SSEDecoder`): each event's data is one JSON
+:class:`~iop_trio.adapters.stream_formats.SSEDecoder`): each event's data is one JSON
 chunk; ``choices[0].delta.content`` becomes a :class:`Delta` (one token; the chunks
 of one read are one Delta of as many tokens),
 ``choices[0].finish_reason`` the ``done_reason``, and a ``usage`` object (a
@@ -18,7 +18,7 @@ Params (target profile overlaid by run options; None means "not set"):
 ``extra_body`` (a mapping) is merged into the top level of the body last, so
 it can set anything except ``stream``. Other params are ignored.
 
-Failures (see :mod:`iop_trio.adapters._http` for transport faults): a non-2xx
+Failures (see :mod:`iop_trio.adapters.http_errors` for transport faults): a non-2xx
 status -> ``engine_error`` with the status and the engine's message (OpenAI
 error JSON, a JSON string or plain text), or ``model_not_found`` for a 404
 about the model; an error mid-stream (``data: {"error": ...}``, an
@@ -39,20 +39,10 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..model import EngineSignals, Usage, estimate_prompt_tokens
-from ._http import (
-    HEALTH_TIMEOUT,
-    MAX_LINE,
-    EngineResponse,
-    HTTPAdapter,
-    HTTPSettings,
-    LineTooLong,
-    SSEDecoder,
-    SSEEvent,
-    json_error,
-    parse_json,
-    quote,
-)
+from ._http import HEALTH_TIMEOUT, EngineResponse, HTTPAdapter, HTTPSettings
 from .base import AdapterError, AdapterRequest, Chunk, Completion, Delta
+from .http_errors import json_error, parse_json, quote
+from .stream_formats import MAX_LINE, LineTooLong, SSEDecoder, SSEEvent
 
 #: The engine metrics :meth:`OpenAIAdapter.engine_signals` reads, by what they say:
 #: vLLM's names (and its older ``gpu_cache_usage_perc``), then llama.cpp server's.

@@ -28,7 +28,7 @@ from ..adapters.base import Adapter, AdapterError
 from ..model import AutoConcurrency, EngineSignals
 from .capacity import LearnedCapacity, Move, RunSample
 from .gate import Gate, Permit
-from .scheduler import Pool
+from .tickets import Pool
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ from ..store.base import RunStore
 from .gate import Gate, Permit
 from .learning import CapacityLearner
 from .manager import RunManager, notify
-from .scheduler import HOLD_AFTER, Pool
+from .tickets import HOLD_AFTER, Pool
 
 log = logging.getLogger(__name__)
 

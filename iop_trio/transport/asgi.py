@@ -121,13 +121,7 @@ async def serve_asgi(
     hypercorn's own serving loop opens its sockets itself, so this one opens them,
     guarded (:mod:`.guard`), and hands each connection to hypercorn's ``TCPServer``.
     """
-    config = Config()
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")  # our handlers, not its own
-    config.graceful_timeout = GRACEFUL_TIMEOUT
-    config.keep_alive_timeout = IDLE_TIMEOUT
-    config.read_timeout = None if read_timeout is None else int(read_timeout)
-    config.h11_max_incomplete_size = MAX_HEADER_SIZE
+    config = _hypercorn_config(read_timeout)
     guard = guard or ConnectionGuard()
     guarded = await open_guarded_listeners(
         port,
@@ -140,25 +134,58 @@ async def serve_asgi(
     if ssl_context is not None:
         listeners = [trio.SSLListener(g, ssl_context, https_compatible=True) for g in guarded]
     context = WorkerContext(None)
-    served = app
-    if prove_on_request:
-
-        async def served(scope: Scope, receive: Receive, send: Send) -> None:
-            client = scope.get("client")
-            if client:
-                guard.prove_address(tuple(client))
-            await app(scope, receive, send)
-
+    served = _proving(app, guard) if prove_on_request else app
     handler = partial(TCPServer, ASGIWrapper(served), config, context, ConnectionState({}))  # type: ignore[arg-type]
+    bound = guarded[0].socket.getsockname()[1]
+    await _serve_until(shutdown, handler, listeners, context, bound, task_status)
+
+
+async def _serve_until(
+    shutdown: trio.Event | None,
+    handler: Callable[[trio.abc.Stream], Awaitable[object]],
+    listeners: list[trio.abc.Listener[Any]],
+    context: WorkerContext,
+    bound: int,
+    task_status: trio.TaskStatus[int],
+) -> None:
+    """Accept on ``listeners`` (``task_status`` gets the ``bound`` port) until
+    ``shutdown`` is set (never, if None); then close the idle connections at once and
+    give the others :data:`GRACEFUL_TIMEOUT` seconds."""
     async with trio.open_nursery() as connections:
         async with trio.open_nursery() as accepting:
             await accepting.start(
                 partial(trio.serve_listeners, handler, listeners, handler_nursery=connections)
             )
-            task_status.started(guarded[0].socket.getsockname()[1])
+            task_status.started(bound)
             if shutdown is None:
                 await trio.sleep_forever()
             await shutdown.wait()
             accepting.cancel_scope.cancel()
         await context.terminated.set()  # idle keep-alive connections close at once
         connections.cancel_scope.deadline = trio.current_time() + GRACEFUL_TIMEOUT
+
+
+def _hypercorn_config(read_timeout: float | None) -> Config:
+    """hypercorn's settings for :func:`serve_asgi`: no access log, its errors to our
+    handlers, our timeouts and bound on a request head."""
+    config = Config()
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")  # our handlers, not its own
+    config.graceful_timeout = GRACEFUL_TIMEOUT
+    config.keep_alive_timeout = IDLE_TIMEOUT
+    config.read_timeout = None if read_timeout is None else int(read_timeout)
+    config.h11_max_incomplete_size = MAX_HEADER_SIZE
+    return config
+
+
+def _proving(app: ASGIApp, guard: ConnectionGuard) -> ASGIApp:
+    """``app``, proving each connection to ``guard`` as a whole request head comes
+    (the ``prove_on_request`` of :func:`serve_asgi`)."""
+
+    async def served(scope: Scope, receive: Receive, send: Send) -> None:
+        client = scope.get("client")
+        if client:
+            guard.prove_address(tuple(client))
+        await app(scope, receive, send)
+
+    return served

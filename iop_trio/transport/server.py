@@ -25,7 +25,14 @@ from trio_websocket import (
 from wsproto.utilities import LocalProtocolError
 
 from .auth import bearer_token
-from .guard import REFUSAL, ConnectionGuard, GuardedStream, open_guarded_listeners
+from .guard import (
+    REFUSAL,
+    ConnectionGuard,
+    GuardedListener,
+    GuardedStream,
+    Ticket,
+    open_guarded_listeners,
+)
 from .session import DEFAULT_MAX_MESSAGE_SIZE
 
 log = logging.getLogger(__name__)
@@ -103,13 +110,7 @@ async def serve_proto(
         try:
             if ssl_context is not None:
                 transport = tls = trio.SSLStream(stream, ssl_context, server_side=True)
-                try:
-                    await tls.do_handshake()
-                except trio.BrokenResourceError as failed:
-                    cause = failed.__cause__
-                    why = cause if isinstance(cause, ssl.SSLError) else ticket.dropped or failed
-                    level = logging.DEBUG if ticket.dropped else logging.INFO
-                    log.log(level, "refused a TLS connection from %s: %s", ticket.peer, why)
+                if not await _handshake(tls, ticket):
                     return
             async with trio.open_nursery() as nursery:
                 request = await wrap_server_stream(
@@ -117,28 +118,25 @@ async def serve_proto(
                 )
                 accepted = await _open(request, routes, authorize)
                 if accepted is not None:
-                    ws, handler, who = accepted
                     guard.prove(ticket)
-                    try:
-                        await handler(ws, who)
-                    finally:
-                        with trio.move_on_after(DISCONNECT_TIMEOUT):
-                            await ws.aclose()
+                    await _handle(*accepted)
                 nursery.cancel_scope.cancel()
         except Exception as raised:
-            error = lone_error(raised)
-            if not closing_race(error) and not isinstance(
-                error, ConnectionClosed | trio.BrokenResourceError | trio.ClosedResourceError
-            ):
-                log.exception("connection from %s failed", ticket.peer)
-            elif ticket.dropped:
-                log.debug("connection from %s: %s", ticket.peer, ticket.dropped)
-            else:
-                log.debug("connection from %s ended: %s", ticket.peer, error)
+            _log_ended(raised, ticket)
         finally:
             guard.release(ticket)
             await trio.aclose_forcefully(transport)
 
+    await _serve(on_stream, listeners, task_status)
+
+
+async def _serve(
+    on_stream: Callable[[GuardedStream], Awaitable[None]],
+    listeners: list[GuardedListener],
+    task_status: trio.TaskStatus[int],
+) -> None:
+    """Serve ``listeners`` with ``on_stream`` until cancelled; an OSError comes out as
+    itself, not in a group."""
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(trio.serve_listeners, on_stream, listeners)
@@ -171,3 +169,42 @@ async def _open(
         )
         return None
     return await request.accept(), handler, who
+
+
+async def _handle(ws: WebSocketConnection, handler: ConnectionHandler, who: Any) -> None:
+    """Run ``handler`` on the open WebSocket ``ws``, then close it (within
+    :data:`DISCONNECT_TIMEOUT`), however the handler ended."""
+    try:
+        await handler(ws, who)
+    finally:
+        with trio.move_on_after(DISCONNECT_TIMEOUT):
+            await ws.aclose()
+
+
+async def _handshake(tls: trio.SSLStream[GuardedStream], ticket: Ticket) -> bool:
+    """Whether the TLS handshake on ``tls`` went through; if not, it is logged (at debug
+    level when the guard dropped the connection, else info) and the caller closes it."""
+    try:
+        await tls.do_handshake()
+    except trio.BrokenResourceError as failed:
+        cause = failed.__cause__
+        why = cause if isinstance(cause, ssl.SSLError) else ticket.dropped or failed
+        level = logging.DEBUG if ticket.dropped else logging.INFO
+        log.log(level, "refused a TLS connection from %s: %s", ticket.peer, why)
+        return False
+    return True
+
+
+def _log_ended(raised: Exception, ticket: Ticket) -> None:
+    """Log how a connection ended in ``raised`` (called in its except block): a closed
+    or broken connection (or the race of two closes) at debug level, anything else as
+    the failure it is."""
+    error = lone_error(raised)
+    if not closing_race(error) and not isinstance(
+        error, ConnectionClosed | trio.BrokenResourceError | trio.ClosedResourceError
+    ):
+        log.exception("connection from %s failed", ticket.peer)
+    elif ticket.dropped:
+        log.debug("connection from %s: %s", ticket.peer, ticket.dropped)
+    else:
+        log.debug("connection from %s ended: %s", ticket.peer, error)

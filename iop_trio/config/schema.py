@@ -1,21 +1,7 @@
-"""node.yaml: the node's configuration, validated, with IOP_* environment overrides.
-
-:func:`load_config` reads a YAML file, applies environment overrides, and
-structures the result into frozen attrs classes with cattrs. Every problem
-raises :class:`ConfigError` whose message names the file and the key path,
-e.g. ``node.yaml: runtime.concurrency: must be an integer >= 1, not 0``.
-
-Environment overrides: ``IOP_<PATH>`` where ``__`` separates levels and the
-value is read as a YAML scalar, so ``IOP_RUNTIME__CONCURRENCY=16``,
-``IOP_EDGE__TOKEN=...``, ``IOP_ADAPTERS__VLLM__API_KEY=...``,
-``IOP_NODE_ID=gpu-7``. A variable naming no known key (a typo, or a variable of
-some other tool's that starts with ``IOP_``) is ignored, and said once:
-:attr:`NodeConfig.warnings`; one naming a key with a bad value is an error.
-Targets are a list and are not overridable from the environment.
-
-A YAML mistake is one line naming the line and column where it is, in plain words
-(``node.yaml, line 4, column 5: this line is indented more than the one above it``);
-a key given twice in one mapping is refused rather than silently replaced.
+"""The schema of node.yaml: one frozen attrs class a section (:class:`NodeConfig` at the
+top), the validators of its keys, the cattrs converter that structures plain data into
+them, and how a section builds what the node runs with (its limits, its adapters, its
+TLS context, its tokens).
 """
 
 from __future__ import annotations
@@ -25,19 +11,15 @@ import os
 import re
 import ssl
 import stat
-import types
-import typing
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import attrs
 import cattrs
-import yaml
 
-from .adapters.base import Adapter
-from .adapters.registry import AdapterRegistry, default_registry
-from .model import (
+from ..adapters.base import Adapter
+from ..adapters.registry import AdapterRegistry, default_registry
+from ..model import (
     CHARS_PER_TOKEN,
     MAX_OUTPUT_TOKENS,
     TOKENIZERS,
@@ -46,22 +28,16 @@ from .model import (
     TenantLimits,
     field_check,
     limit_problem,
-    option_rules_problem,
     positive_problem,
     seconds_problem,
-    tenant_problem,
 )
-from .runtime import AdapterSlot, RuntimeLimits
-from .runtime.scheduler import HOLD_AFTER
-from .structure import problems, strict_converter
-from .transport.tls import client_context
+from ..runtime import AdapterSlot, RuntimeLimits
+from ..runtime.tickets import HOLD_AFTER
+from ..structure import problems, strict_converter
+from ..transport.tls import client_context
+from .errors import ConfigError
 
-ENV_PREFIX = "IOP_"
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the file and the key."""
 
 
 def _int_at_least(low: int) -> Callable[[Any, Any, Any], None]:
@@ -438,7 +414,7 @@ def split_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def _adapter_settings(registry: AdapterRegistry, name: str, cfg: AdapterConfig, source: str) -> Any:
+def adapter_settings(registry: AdapterRegistry, name: str, cfg: AdapterConfig, source: str) -> Any:
     """The kind's settings object from the adapter's keys; ConfigError naming the key."""
     where = f"{source}: adapters.{name}"
     if cfg.kind not in registry:
@@ -451,14 +427,14 @@ def _adapter_settings(registry: AdapterRegistry, name: str, cfg: AdapterConfig, 
                 f"{where}.{key}: not a setting of kind {cfg.kind!r} (known: {', '.join(known)})"
             )
     try:
-        return _CONVERTER.structure(cfg.settings, settings_type)
+        return CONVERTER.structure(cfg.settings, settings_type)
     except Exception as exc:  # cattrs raises class validation groups
-        lines = _messages(exc, prefix=f"adapters.{name}")
+        lines = error_lines(exc, prefix=f"adapters.{name}")
         raise ConfigError("\n".join(f"{source}: {m}" for m in lines)) from None
 
 
 def _make_adapter(registry: AdapterRegistry, name: str, cfg: AdapterConfig, source: str) -> Adapter:
-    settings = _adapter_settings(registry, name, cfg, source)
+    settings = adapter_settings(registry, name, cfg, source)
     return registry.create(cfg.kind, name, settings, max_concurrency=cfg.max_concurrency)
 
 
@@ -503,10 +479,11 @@ def _strict_converter() -> cattrs.Converter:
     return conv
 
 
-_CONVERTER = _strict_converter()
+#: The converter of node.yaml's data into the schema (strict: unknown keys are errors).
+CONVERTER = _strict_converter()
 
 
-def _messages(exc: Exception, prefix: str = "") -> list[str]:
+def error_lines(exc: Exception, prefix: str = "") -> list[str]:
     """'path: problem' lines from a cattrs error (:func:`~iop_trio.structure.problems`),
     a secret's value hidden."""
     return [
@@ -514,15 +491,6 @@ def _messages(exc: Exception, prefix: str = "") -> list[str]:
         for path, message in problems(exc, prefix)
     ]
 
-
-#: The sections of node.yaml that are one attrs class each, for IOP_* overrides.
-_SECTIONS: dict[str, type[Any]] = {
-    "edge": EdgeConfig,
-    "store": StoreConfig,
-    "runtime": RuntimeConfig,
-    "metrics": MetricsConfig,
-    "logging": LoggingConfig,
-}
 
 #: Keys whose values are secrets: a message about one never shows its value.
 SECRET_KEYS = frozenset({"token", "api_key", "password", "secret", "headers"})
@@ -532,287 +500,3 @@ def _hide_secret(path: str, message: str) -> str:
     if path.rpartition(".")[2] in SECRET_KEYS or ".headers." in f".{path}.":
         return re.sub(r"(, )?not .*$", r"\1not the value given (hidden: it is a secret)", message)
     return message
-
-
-def structure_config(data: Any, *, source: str = "<config>") -> NodeConfig:
-    """A NodeConfig from plain data; ConfigError naming ``source`` and the key."""
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{source}: the top level must be a mapping of keys")
-    try:
-        config = _CONVERTER.structure({**data, "source": source}, NodeConfig)
-    except Exception as exc:  # cattrs raises class/iterable validation groups
-        raise ConfigError("\n".join(f"{source}: {m}" for m in _messages(exc))) from None
-    _check_references(config)
-    return config
-
-
-def _check_references(config: NodeConfig) -> None:
-    src = config.source
-    if not config.node_id.strip():
-        raise ConfigError(f"{src}: node_id: must not be empty")
-    if not config.targets:
-        raise ConfigError(f"{src}: targets: a node needs at least one target")
-    names: set[str] = set()
-    for i, target in enumerate(config.targets):
-        if target.adapter not in config.adapters:
-            raise ConfigError(
-                f"{src}: targets[{i}].adapter: {target.adapter!r} is not one of the "
-                f"adapters ({', '.join(sorted(config.adapters)) or 'none configured'})"
-            )
-        fault = option_rules_problem(target.allow_options or (), target.option_caps)
-        if fault is not None:
-            raise ConfigError(f"{src}: targets[{i}].{fault[0]}: {fault[1]}")
-        name = target.spec().name
-        if name in names:
-            raise ConfigError(f"{src}: targets[{i}]: target {name!r} is configured twice")
-        names.add(name)
-    for tenant in config.tenants:
-        problem = tenant_problem(tenant)
-        if problem is not None:
-            raise ConfigError(f"{src}: tenants: {problem}")
-    registry = default_registry()
-    for name, adapter in config.adapters.items():
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
-            raise ConfigError(f"{src}: adapters.{name}: names are letters, digits, _ . -")
-        _adapter_settings(registry, name, adapter, src)
-
-
-def apply_env(
-    data: dict[str, Any],
-    environ: Mapping[str, str],
-    *,
-    source: str,
-    ignored: list[str] | None = None,
-) -> dict[str, Any]:
-    """``data`` with IOP_* overrides applied (see the module docstring); a variable
-    that names no key is left out, with a line saying so appended to ``ignored``."""
-    result: dict[str, Any] = _deep_copy(data)
-    for var in sorted(environ):
-        if not var.startswith(ENV_PREFIX) or var in _NOT_CONFIG:
-            continue
-        path = [p.lower() for p in var[len(ENV_PREFIX) :].split("__")]
-        if not all(path) or not _known_path(path, result):
-            if ignored is not None:
-                ignored.append(
-                    f"{var} names no configuration key ({'.'.join(path)}); ignored "
-                    "(levels are separated by __, e.g. IOP_RUNTIME__CONCURRENCY)"
-                )
-            continue
-        raw = environ[var]
-        # a string key takes the text as it is (a token is not YAML); others parse as YAML
-        value = raw if _takes_text(path, result) or raw == "" else parse_yaml(raw, var)
-        node: dict[str, Any] = result
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"{var}: {part} in {source} is not a mapping")
-            node = child
-        node[path[-1]] = value
-    return result
-
-
-# variables that belong to tools, not to the node's config
-_NOT_CONFIG = frozenset({"IOP_SMOKE", "IOP_CONFIG", "IOP_EDGE", "IOP_TOKEN", "IOP_EDGE_TOKEN"})
-
-
-def _field_type(cls: type[Any], key: str) -> Any:
-    try:
-        return typing.get_type_hints(cls).get(key)
-    except Exception:  # an annotation that does not resolve: no type known
-        return None
-
-
-def _takes_text(path: list[str], data: Mapping[str, Any]) -> bool:
-    """Whether the key at ``path`` is a string (or string-or-null) setting."""
-    if path == ["node_id"]:
-        return True
-    if len(path) == 2 and path[0] in _SECTIONS:
-        kind = _field_type(_SECTIONS[path[0]], path[1])
-    elif len(path) == 3 and path[0] == "adapters":
-        adapter = (data.get("adapters") or {}).get(path[1])
-        name = adapter.get("kind") if isinstance(adapter, Mapping) else None
-        registry = default_registry()
-        if not isinstance(name, str) or name not in registry:
-            return False
-        kind = _field_type(registry.settings_type(name), path[2])
-    else:
-        return False
-    if kind is str:
-        return True
-    args = typing.get_args(kind)
-    return typing.get_origin(kind) in (types.UnionType, typing.Union) and set(args) == {
-        str,
-        type(None),
-    }
-
-
-def _known_path(path: list[str], data: Mapping[str, Any]) -> bool:
-    head = path[0]
-    if len(path) == 1:
-        return head in {"node_id"}
-    if head in _SECTIONS:
-        return len(path) == 2 and path[1] in attrs.fields_dict(_SECTIONS[head])
-    if head == "adapters":
-        # adapters.<name>.<key>: the name must exist; the key is checked against its kind later
-        return len(path) == 3 and path[1] in (data.get("adapters") or {})
-    return False
-
-
-def _deep_copy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _deep_copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_deep_copy(v) for v in value]
-    return value
-
-
-def load_config(
-    path: str | os.PathLike[str], environ: Mapping[str, str] | None = None
-) -> NodeConfig:
-    """Read, override from the environment (``os.environ`` by default), validate."""
-    source = str(path)
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{source}: cannot read: {exc.strerror or exc}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
-        raise ConfigError(f"{source}, line {line}: not UTF-8 text") from None
-    data = parse_yaml(text, source)
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping of keys")
-    ignored: list[str] = []
-    data = apply_env(
-        data, os.environ if environ is None else environ, source=source, ignored=ignored
-    )
-    config = relative_to(structure_config(data, source=source), Path(path).resolve().parent)
-    return attrs.evolve(config, warnings=tuple(ignored)) if ignored else config
-
-
-class _Loader(yaml.SafeLoader):
-    """``yaml.safe_load``'s loader, but a key given twice in one mapping is an error: the
-    second would silently replace the first."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        lines: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-                key = self.construct_object(key_node)
-                if key in lines:
-                    problem = f"{key!r} @{lines[key]}"  # the line of the first, for the words
-                    raise yaml.constructor.ConstructorError(
-                        "duplicate key", None, problem, key_node.start_mark
-                    )
-                lines[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
-
-
-#: YAML syntax errors in plain words: (a pattern searched in the parser's "context:
-#: problem", the place to name, the words, with {0}... the pattern's groups). The place
-#: is the parser's ``problem`` mark or its ``context`` mark (where the open quote,
-#: bracket or key began), or is worked out from the text (:func:`_yaml_problem`):
-#: ``colon``, a ':' after a value began (the line is indented too far, or the line
-#: above has no ':', or a value holds ': '); ``block``, something else where the next
-#: key should be (a line that does not line up, or text after a value).
-_YAML_PROBLEMS: tuple[tuple[str, str, str], ...] = (
-    (r"found character '\\t'", "problem", "a tab is not allowed for indenting; use spaces"),
-    (r"character '(.)' that cannot start", "problem", "a value cannot start with '{0}'; quote it"),
-    (r"quoted scalar: found unexpected end", "context", "an unclosed quote starts here"),
-    (r"unknown escape character '(.*)'", "problem", "'\\{0}' is no escape; use '...' quotes"),
-    (r"could not find expected ':'", "context", "a ':' is missing after the key"),
-    (r"mapping values are not allowed", "colon", ""),
-    (r"flow sequence: expected ','", "context", "this '[' is not closed, or an item has no ','"),
-    (r"flow mapping: expected ','", "context", "this '{{' is not closed, or an item has no ','"),
-    (r"<block end>, but found '-'", "problem", "a '- ' item where a key should be"),
-    (r"expected <block end>", "block", ""),
-    (r"undefined alias '(.*)'", "problem", "'*{0}' names no anchor; quote a value with '*'"),
-    (r"^duplicate key: (.*) @(\d+)", "problem", "{0} is given twice (first on line {1})"),
-    (r"found another document", "problem", "a second document ('---'); a config is one"),
-    (r"for the tag '(.*)'", "problem", "unknown tag '{0}'; quote a value that starts with '!'"),
-    (r"found '<stream end>'", "problem", "the text ends inside a '[' or '{{' that is not closed"),
-    (r"sequence entries are not", "problem", "a '- ' item cannot follow a key on its line"),
-    (r"node content, but found '(.*)'", "problem", "'{0}' where a value should be"),
-)
-
-
-def parse_yaml(text: str, source: str) -> Any:
-    """``text`` parsed as YAML; a syntax error is one line naming the line and column
-    where the mistake is, in plain words (:data:`_YAML_PROBLEMS`); a key given twice in
-    one mapping is an error too."""
-    try:
-        return yaml.load(text, Loader=_Loader)
-    except yaml.MarkedYAMLError as exc:
-        line, column, words = _yaml_problem(exc, text.splitlines())
-        raise ConfigError(f"{source}, line {line + 1}, column {column + 1}: {words}") from None
-    except yaml.reader.ReaderError as exc:
-        line = text.count("\n", 0, exc.position) + 1
-        raise ConfigError(f"{source}, line {line}: a character YAML does not allow") from None
-
-
-def _content(line: str) -> bool:
-    return bool(line.strip()) and not line.lstrip().startswith("#")
-
-
-def _yaml_problem(exc: yaml.MarkedYAMLError, lines: list[str]) -> tuple[int, int, str]:
-    """(line, column, words) for ``exc``, the line and column from 0."""
-    said = f"{exc.context or ''}: {exc.problem or ''}"
-    place, words = "problem", f"not valid YAML: {exc.problem}"  # one we have no words for
-    for pattern, where, says in _YAML_PROBLEMS:
-        if found := re.search(pattern, said):
-            place, words = where, says.format(*found.groups())
-            break
-    mark = (exc.context_mark if place == "context" else None) or exc.problem_mark
-    assert mark is not None  # PyYAML marks every problem it raises, as _Loader does
-    line, column = mark.line, mark.column
-
-    def text(at: int) -> str:
-        return lines[at] if 0 <= at < len(lines) else ""
-
-    def indent(at: int) -> int:
-        return len(text(at)) - len(text(at).lstrip())
-
-    if place == "colon" and ": " in text(line)[:column]:
-        words = "a value holds ': '; put the value in quotes"
-    elif place == "block" and column != indent(line):
-        words = "unexpected text after the value; put the whole value in quotes"
-    elif place in ("colon", "block"):  # this line is not where a key may be: say why
-        above = next((i for i in range(line - 1, -1, -1) if _content(text(i))), -1)
-        column = indent(line)
-        if above >= 0 and not re.search(r":(\s|$)|^\s*- ", text(above)):
-            line, column, words = above, indent(above), "a ':' is missing after the key"
-        elif above >= 0 and column > len(text(above)) - len(text(above).lstrip(" -")):
-            words = "this line is indented more than the one above it"
-        else:
-            words = "this line does not line up with the lines above it; check the indentation"
-    return line, column, words
-
-
-#: The settings that name files: a relative one is relative to the config file's folder.
-PATH_KEYS: Mapping[str, tuple[str, ...]] = {
-    "store": ("path",),
-    "edge": ("token_file", "ca_file", "cert_file", "key_file"),
-    "metrics": ("token_file",),
-}
-
-
-def relative_to(config: NodeConfig, folder: Path) -> NodeConfig:
-    """``config`` with every relative file path in it made relative to ``folder`` (the
-    config file's), so a command run from another folder finds the same files."""
-    changes: dict[str, Any] = {}
-    for section, keys in PATH_KEYS.items():
-        current = getattr(config, section)
-        fixed = {
-            key: str(folder / value)
-            for key in keys
-            if isinstance(value := getattr(current, key), str)
-            and value
-            and not os.path.isabs(value)
-            and not (section == "store" and value == ":memory:")
-        }
-        if fixed:
-            changes[section] = attrs.evolve(current, **fixed)
-    return attrs.evolve(config, **changes) if changes else config
