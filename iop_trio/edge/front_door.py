@@ -607,15 +607,7 @@ class OpenAIFrontDoor:
     async def _stream(
         self, stream: RunStream, request: ChatRequest, created: int, send: Send
     ) -> None:
-        # the headers wait for the engine's first words (or the run's end), so a
-        # rejection, or an engine that turns the run away, is still a status
-        async for event in stream:
-            if event.kind is EventKind.DELTA:
-                break
-            if event.kind.terminal:
-                if event.kind is not EventKind.SUCCEEDED:
-                    raise terminal_error(event)
-                break
+        await _first_words(stream)
         head = {
             "id": f"chatcmpl-{stream.run_id}",
             "object": "chat.completion.chunk",
@@ -665,6 +657,19 @@ class OpenAIFrontDoor:
         else:
             await chunk(terminal_error(last).body())
             await send({"type": "http.response.body", "body": b""})
+
+
+async def _first_words(stream: RunStream) -> None:
+    """Read ``stream`` to its first delta or its end: the headers wait for them, so a
+    rejection, or an engine that turns the run away, is still a status (raised as the
+    DoorError of its terminal event)."""
+    async for event in stream:
+        if event.kind is EventKind.DELTA:
+            return
+        if event.kind.terminal:
+            if event.kind is not EventKind.SUCCEEDED:
+                raise terminal_error(event)
+            return
 
 
 def _choice(delta: Mapping[str, Any], finish_reason: str | None = None) -> dict[str, Any]:

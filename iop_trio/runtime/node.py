@@ -147,44 +147,10 @@ class Node:
             self.gate.set_tenant(name, share)
         self._adapters: dict[str, Adapter] = {}
         for slot in adapters:
-            if isinstance(slot, Adapter):
-                slot = AdapterSlot(slot)
-            name = slot.adapter.name
-            if name in self._adapters:
-                raise ValueError(f"two adapters are named {name!r}")
-            self.gate.add_adapter(
-                name,
-                slot.concurrency if slot.auto is None else slot.auto.maximum,
-                max_concurrency=slot.adapter.capabilities.max_concurrency,
-                token_budget=slot.token_budget,
-            )
-            self._adapters[name] = slot.adapter
-            if slot.auto is not None:
-                adapter_pool = self.gate.adapter_pool(name)
-                adapter_pool.counts_tokens = True  # its capacity is learned in tokens too
-                self.auto[adapter_pool.name] = (slot.auto, adapter_pool)
+            self._add_adapter(slot if isinstance(slot, AdapterSlot) else AdapterSlot(slot))
         self.targets: dict[str, TargetSpec] = {}
         for target in targets:
-            if target.name in self.targets:
-                raise ValueError(f"target {target.name!r} is configured twice")
-            if target.adapter not in self._adapters:
-                raise ValueError(
-                    f"target {target.name!r} names adapter {target.adapter!r}, "
-                    f"which is not configured (have: {', '.join(sorted(self._adapters))})"
-                )
-            self.gate.add_target(
-                target.name,
-                adapter=target.adapter,
-                limit=target.concurrency if target.auto is None else target.auto.maximum,
-                max_queued=target.max_queued,
-                queue_timeout=target.queue_timeout,
-                token_budget=target.token_budget,
-            )
-            if target.auto is not None:
-                pool = self.gate.target_pool(target.name)
-                pool.counts_tokens = True  # its capacity is learned in tokens too
-                self.auto[pool.name] = (target.auto, pool)
-            self.targets[target.name] = self._bounded(target)
+            self._add_target(target)
         self._manager: RunManager | None = None
         self.started = trio.Event()
         #: target name -> why its engine cannot serve it now (absent: available, or
@@ -200,6 +166,48 @@ class Node:
         self._described = trio.Event()
         # called with (event, record) for every run event, by every RunManager this node starts
         self.event_listeners: list[Callable[[RunEvent, RunRecord], None]] = []
+
+    def _add_adapter(self, slot: AdapterSlot) -> None:
+        """Register ``slot``'s adapter and its pool in the gate; ValueError for a name
+        taken. A learned pool starts at its bound and counts tokens too."""
+        name = slot.adapter.name
+        if name in self._adapters:
+            raise ValueError(f"two adapters are named {name!r}")
+        self.gate.add_adapter(
+            name,
+            slot.concurrency if slot.auto is None else slot.auto.maximum,
+            max_concurrency=slot.adapter.capabilities.max_concurrency,
+            token_budget=slot.token_budget,
+        )
+        self._adapters[name] = slot.adapter
+        if slot.auto is not None:
+            pool = self.gate.adapter_pool(name)
+            pool.counts_tokens = True  # its capacity is learned in tokens too
+            self.auto[pool.name] = (slot.auto, pool)
+
+    def _add_target(self, target: TargetSpec) -> None:
+        """Register ``target`` and its lane in the gate; ValueError for a name taken or an
+        adapter not configured. A learned pool starts at its bound and counts tokens."""
+        if target.name in self.targets:
+            raise ValueError(f"target {target.name!r} is configured twice")
+        if target.adapter not in self._adapters:
+            raise ValueError(
+                f"target {target.name!r} names adapter {target.adapter!r}, "
+                f"which is not configured (have: {', '.join(sorted(self._adapters))})"
+            )
+        self.gate.add_target(
+            target.name,
+            adapter=target.adapter,
+            limit=target.concurrency if target.auto is None else target.auto.maximum,
+            max_queued=target.max_queued,
+            queue_timeout=target.queue_timeout,
+            token_budget=target.token_budget,
+        )
+        if target.auto is not None:
+            pool = self.gate.target_pool(target.name)
+            pool.counts_tokens = True  # its capacity is learned in tokens too
+            self.auto[pool.name] = (target.auto, pool)
+        self.targets[target.name] = self._bounded(target)
 
     def adapter_of_pool(self, name: str) -> Adapter:
         """The adapter of a pool named ``adapter:NAME`` or ``target:NAME``."""
@@ -276,42 +284,15 @@ class Node:
             raise RuntimeError("the node is running already")
         try:
             async with trio.open_nursery() as nursery:
-                interrupted = await self.store.interrupt_unfinished(
-                    time=time.time(),
-                    message="the node stopped while the run was live",
-                    chars_per_token=self.runtime.chars_per_token,
-                )
-                if interrupted:
-                    log.warning("marked %d unfinished runs INTERRUPTED", len(interrupted))
-                    await self._tell_listeners(interrupted)
-                self._manager = RunManager(
-                    nursery=nursery,
-                    gate=self.gate,
-                    store=self.store,
-                    adapters=self._adapters,
-                    targets=self.targets,
-                    final_write_timeout=self.runtime.final_write_timeout,
-                    store_grace=self.runtime.store_grace,
-                    listeners=self.event_listeners,
-                    engine_answered=self._run_answered,
-                    run_ended=self.run_ended if self.auto else None,
-                    first_token=self.first_token if self.auto else None,
-                    chars_per_token=self.runtime.chars_per_token,
-                )
-                for name, (auto, pool) in self.auto.items():
-                    learner = CapacityLearner(
-                        name, auto, pool, self.adapter_of_pool(name), self.gate
-                    )
-                    learner.awaiting = self._manager.awaiting_first_token
-                    self.learners[name] = learner
-                    nursery.start_soon(learner.run)
+                await self._interrupt_unfinished()
+                manager = self._manager = self._start_manager(nursery)
                 self.started.set()
                 if self.runtime.probe_interval and any(a.probed for a in self._adapters.values()):
                     nursery.start_soon(self._probe_loop, self.runtime.probe_interval)
                 try:
                     yield self
                 finally:
-                    self._manager.shut_down()
+                    manager.shut_down()
                     nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             # run tasks never raise, so a lone exception is the body's own
@@ -326,6 +307,41 @@ class Node:
                         await adapter.aclose()
                     except Exception:
                         log.exception("closing adapter %s failed", adapter.name)
+
+    async def _interrupt_unfinished(self) -> None:
+        """Mark the runs the store left QUEUED or RUNNING INTERRUPTED, and tell listeners."""
+        interrupted = await self.store.interrupt_unfinished(
+            time=time.time(),
+            message="the node stopped while the run was live",
+            chars_per_token=self.runtime.chars_per_token,
+        )
+        if interrupted:
+            log.warning("marked %d unfinished runs INTERRUPTED", len(interrupted))
+            await self._tell_listeners(interrupted)
+
+    def _start_manager(self, nursery: trio.Nursery) -> RunManager:
+        """The run manager of this run of the node, in ``nursery``, and a learner there for
+        each pool whose concurrency is learned."""
+        manager = RunManager(
+            nursery=nursery,
+            gate=self.gate,
+            store=self.store,
+            adapters=self._adapters,
+            targets=self.targets,
+            final_write_timeout=self.runtime.final_write_timeout,
+            store_grace=self.runtime.store_grace,
+            listeners=self.event_listeners,
+            engine_answered=self._run_answered,
+            run_ended=self.run_ended if self.auto else None,
+            first_token=self.first_token if self.auto else None,
+            chars_per_token=self.runtime.chars_per_token,
+        )
+        for name, (auto, pool) in self.auto.items():
+            learner = CapacityLearner(name, auto, pool, self.adapter_of_pool(name), self.gate)
+            learner.awaiting = manager.awaiting_first_token
+            self.learners[name] = learner
+            nursery.start_soon(learner.run)
+        return manager
 
     # --- limits --------------------------------------------------------------------------
 
@@ -411,50 +427,60 @@ class Node:
         """
         answers: dict[str, frozenset[str] | AdapterError | None] = {}
         answered: list[tuple[str, float]] = []  # marked targets whose probe run worked
-
-        async def ask(name: str, adapter: Adapter) -> None:
-            try:
-                answers[name] = await adapter.served_models()
-            except AdapterError as exc:
-                answers[name] = exc
-
-        async def try_run(target: TargetSpec) -> None:
-            sent = trio.current_time()
-            request = AdapterRequest(
-                run_id=f"probe:{target.name}",
-                model=target.model,
-                prompt=PROBE_PROMPT,
-                params=target.params_for({}),
-            )
-            try:
-                await self._adapters[target.adapter].probe_generation(request)
-            except AdapterError as exc:
-                log.debug("target %s: its probe run failed: %s", target.name, exc.message)
-            else:
-                answered.append((target.name, sent))
-
         used = {t.adapter for t in self.targets.values()}
         async with trio.open_nursery() as nursery:
             for name, adapter in self._adapters.items():
                 if name in used:
-                    nursery.start_soon(ask, name, adapter)
+                    nursery.start_soon(self._ask_models, name, adapter, answers)
             for name in self._hung:
-                nursery.start_soon(try_run, self.targets[name])
-        unlisted: dict[str, str] = {}
-        for name, target in self.targets.items():
-            answer = answers[target.adapter]
-            if isinstance(answer, AdapterError):
-                unlisted[name] = f"engine unreachable: {answer.message}"
-            elif answer is not None and not self._adapters[target.adapter].serves(
-                target.model, answer
-            ):
-                shown = ", ".join(sorted(answer)[:10]) or "none"
-                unlisted[name] = f"the engine does not serve model {target.model!r} ({shown})"
-        self._unlisted = unlisted
+                nursery.start_soon(self._try_probe_run, self.targets[name], answered)
+        self._unlisted = {
+            name: why
+            for name, target in self.targets.items()
+            if (why := self._why_unlisted(target, answers[target.adapter])) is not None
+        }
         for name, sent in answered:
             self._mark_hung(name, sent, None)
         self._note_unavailable()
         return dict(self.unavailable)
+
+    @staticmethod
+    async def _ask_models(
+        name: str, adapter: Adapter, answers: dict[str, frozenset[str] | AdapterError | None]
+    ) -> None:
+        """Put what ``adapter``'s engine serves (or why it did not say) in ``answers``."""
+        try:
+            answers[name] = await adapter.served_models()
+        except AdapterError as exc:
+            answers[name] = exc
+
+    async def _try_probe_run(self, target: TargetSpec, answered: list[tuple[str, float]]) -> None:
+        """Ask ``target``'s engine for its smallest generation; note when it was sent in
+        ``answered`` if it answered."""
+        sent = trio.current_time()
+        request = AdapterRequest(
+            run_id=f"probe:{target.name}",
+            model=target.model,
+            prompt=PROBE_PROMPT,
+            params=target.params_for({}),
+        )
+        try:
+            await self._adapters[target.adapter].probe_generation(request)
+        except AdapterError as exc:
+            log.debug("target %s: its probe run failed: %s", target.name, exc.message)
+        else:
+            answered.append((target.name, sent))
+
+    def _why_unlisted(
+        self, target: TargetSpec, answer: frozenset[str] | AdapterError | None
+    ) -> str | None:
+        """Why ``target`` is unavailable by its engine's list of models, or None."""
+        if isinstance(answer, AdapterError):
+            return f"engine unreachable: {answer.message}"
+        if answer is not None and not self._adapters[target.adapter].serves(target.model, answer):
+            shown = ", ".join(sorted(answer)[:10]) or "none"
+            return f"the engine does not serve model {target.model!r} ({shown})"
+        return None
 
     def _run_answered(self, target: str, sent: float, error: AdapterError | None) -> None:
         """What a run (sent at ``sent``, trio time) found of its target's engine: one that
