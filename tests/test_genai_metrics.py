@@ -4,13 +4,18 @@ engine wire on a real HTTP server), and from events with set times."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from iop_trio.metrics import (
     GENAI_DURATION_BUCKETS,
+    GENAI_LABELS,
     GENAI_TOKEN_BUCKETS,
     GENAI_TPOT_BUCKETS,
     GENAI_TTFT_BUCKETS,
+    METRICS,
+    PROCESS_METRICS,
     NodeMetrics,
 )
 from iop_trio.model import TenantLimits
@@ -221,3 +226,13 @@ def test_runs_it_never_saw_queued_and_targets_it_does_not_have():
     assert m(f"{TOKENS}_sum", **old, gen_ai_token_type="output") == 2
     assert m(f"{DURATION}_count", **old, error_type="interrupted") == 1
     assert m(f"{TTFT}_sum", **old) == 2.0
+
+
+def test_the_table_names_the_conventions_metrics_and_operations_md_lists_every_metric():
+    by_name = {m.name: m for m in METRICS}
+    assert by_name[TTFT].labels == by_name[TPOT].labels == GENAI_LABELS
+    assert by_name[DURATION].labels == (*GENAI_LABELS, "error_type")
+    assert by_name[TOKENS].labels == (*GENAI_LABELS, "gen_ai_token_type")
+    operations = (Path(__file__).parents[1] / "docs" / "operations.md").read_text()
+    missing = [m.name for m in (*METRICS, *PROCESS_METRICS) if f"| `{m.name}` |" not in operations]
+    assert missing == []
