@@ -38,6 +38,20 @@ is what ``iop-node usage`` totals from the store; ``iop_run_tokens_total`` only
 what the engine reported. A run found running when the node starts is counted as
 it is interrupted (the node tells its listeners).
 
+The ``gen_ai_*`` histograms carry OpenTelemetry's GenAI metric names (the
+Prometheus form: dots as underscores, the unit as a suffix) and the conventions'
+advised buckets, labelled by ``gen_ai_operation_name`` (``chat``),
+``gen_ai_provider_name`` (the kind of the target's adapter), ``gen_ai_request_model``
+(the model the engine is asked for), ``iop_target`` and ``iop_tenant`` (bounded as
+above). Their times count from QUEUED, when the node received the run, so the queue
+wait is in them (the ``iop_run_*`` ones count from STARTED): time to first token at the
+first delta of any run; request duration at the end of every run that started, with
+``error_type`` empty if it succeeded, else its failure reason, ``cancelled`` or
+``interrupted``; time per output token, ``(end - first delta) / (output tokens - 1)``,
+only for runs that SUCCEEDED with two output tokens or more (a cancelled run's end is
+not its last token); token usage, ``gen_ai_token_type`` ``input`` and ``output``, the
+settled usage of each run that started (a count that is None is left out).
+
 Per-run state is kept only for live runs (QUEUED or RUNNING) and dropped at
 the terminal event; :attr:`NodeMetrics.tracked_runs` counts it. Should a
 terminal event never come (a bug elsewhere), ``max_tracked_runs`` bounds the
@@ -58,6 +72,11 @@ from .node_metrics import NodeMetrics
 from .table import (
     CONTENT_TYPE,
     FIRST_DELTA_BUCKETS,
+    GENAI_DURATION_BUCKETS,
+    GENAI_LABELS,
+    GENAI_TOKEN_BUCKETS,
+    GENAI_TPOT_BUCKETS,
+    GENAI_TTFT_BUCKETS,
     METRICS,
     PROCESS_METRICS,
     QUEUE_WAIT_BUCKETS,
@@ -68,6 +87,11 @@ from .table import (
 __all__ = [
     "CONTENT_TYPE",
     "FIRST_DELTA_BUCKETS",
+    "GENAI_DURATION_BUCKETS",
+    "GENAI_LABELS",
+    "GENAI_TOKEN_BUCKETS",
+    "GENAI_TPOT_BUCKETS",
+    "GENAI_TTFT_BUCKETS",
     "METRICS",
     "PROCESS_METRICS",
     "QUEUE_WAIT_BUCKETS",

@@ -1,5 +1,6 @@
 """The counters and histograms fed by the run manager's events (``iop_runs_*``,
-``iop_run_*``, ``iop_tenant_*``), and :class:`NodeMetrics`, which owns them, the
+``iop_run_*``, ``iop_tenant_*``, and ``gen_ai_*`` after OpenTelemetry's GenAI
+conventions), and :class:`NodeMetrics`, which owns them, the
 scrape-time gauges (:mod:`.gauges`) and the exposition. The package docstring says what
 each metric counts and when.
 """
@@ -27,6 +28,10 @@ from .gauges import GateCollector, priority_class, tenant_label
 from .readiness import node_readiness
 from .table import (
     FIRST_DELTA_BUCKETS,
+    GENAI_DURATION_BUCKETS,
+    GENAI_TOKEN_BUCKETS,
+    GENAI_TPOT_BUCKETS,
+    GENAI_TTFT_BUCKETS,
     QUEUE_WAIT_BUCKETS,
     RUN_DURATION_BUCKETS,
     metric_info,
@@ -41,6 +46,10 @@ _OUTCOME_OF_STATUS: Mapping[RunStatus, str] = {
     RunStatus.REJECTED: "rejected",
     RunStatus.CANCELLED: "cancelled",
 }
+#: gen_ai.operation.name of every run: the door and the adapters speak chat completions.
+GENAI_OPERATION = "chat"
+#: gen_ai.provider.name of a run whose target (and so its adapter) the node does not have.
+UNKNOWN_PROVIDER = "unknown"
 _FINISHED_STATUSES = (
     RunStatus.SUCCEEDED,
     RunStatus.FAILED,
@@ -58,8 +67,9 @@ class _RunTimes:
     deltas: Counter  # the target's child of iop_run_deltas_total, looked up once
     tenant: str  # its label
     priority: str  # its class
+    genai: tuple[str, ...]  # its gen_ai_* histograms' labels (table.GENAI_LABELS)
     started: float | None = None
-    first_delta: bool = False
+    first_delta: float | None = None  # its time
 
 
 def _counter(name: str, registry: CollectorRegistry) -> Counter:
@@ -127,6 +137,16 @@ class NodeMetrics:
         self.tenant_tokens = _counter("iop_tenant_tokens_total", r)
         self.tenant_queue_wait = _histogram("iop_tenant_queue_wait_seconds", QUEUE_WAIT_BUCKETS, r)
         self.first_delta = _histogram("iop_run_time_to_first_delta_seconds", FIRST_DELTA_BUCKETS, r)
+        self.genai_ttft = _histogram(
+            "gen_ai_server_time_to_first_token_seconds", GENAI_TTFT_BUCKETS, r
+        )
+        self.genai_tpot = _histogram(
+            "gen_ai_server_time_per_output_token_seconds", GENAI_TPOT_BUCKETS, r
+        )
+        self.genai_duration = _histogram(
+            "gen_ai_server_request_duration_seconds", GENAI_DURATION_BUCKETS, r
+        )
+        self.genai_tokens = _histogram("gen_ai_client_token_usage", GENAI_TOKEN_BUCKETS, r)
         self._collector = GateCollector(node)
         r.register(self._collector)
         ProcessCollector(registry=r)
@@ -212,17 +232,20 @@ class NodeMetrics:
                 self.deltas.labels(target).inc()
                 return
             times.deltas.inc()
-            if not times.first_delta and times.started is not None:
-                times.first_delta = True
+            if times.first_delta is None and times.started is not None:
+                times.first_delta = event.time
                 self.first_delta.labels(target).observe(max(0.0, event.time - times.started))
+                self.genai_ttft.labels(*times.genai).observe(max(0.0, event.time - times.queued))
         elif kind is EventKind.QUEUED:
             self.submitted.labels(target).inc()
+            tenant = tenant_label(self.node, record.tenant)
             times = _RunTimes(
                 target,
                 event.time,
                 self.deltas.labels(target),
-                tenant_label(self.node, record.tenant),
+                tenant,
                 priority_class(record.priority),
+                self.genai_labels(target, tenant),
             )
             self._track(run_id, times)
         elif kind is EventKind.STARTED:
@@ -253,11 +276,14 @@ class NodeMetrics:
         usage = event.usage
         if usage is not None:
             self._settled(target, tenant, usage)
+            genai = times.genai if times is not None else self.genai_labels(target, tenant)
+            self._genai_tokens(genai, usage)
         if times is None:
             return
         if times.started is not None:
             duration = max(0.0, event.time - times.started)
             self.run_duration.labels(target, status.value).observe(duration)
+            self._genai_ended(event, times)
         else:
             outcome = _OUTCOME_OF_STATUS.get(status)
             if outcome is not None:  # INTERRUPTED is not a way out of the queue
@@ -278,6 +304,46 @@ class NodeMetrics:
             self.tenant_tokens.labels(tenant, "output").inc(completion)
             if not usage.completion_estimated:
                 self.tokens.labels(target, "completion").inc(completion)
+
+    def genai_labels(self, target: str, tenant: str) -> tuple[str, ...]:
+        """The ``gen_ai_*`` histograms' labels of a run of ``target`` by ``tenant`` (its
+        label): operation ``chat``, provider the kind of the target's adapter (``openai``,
+        ``ollama``, ``echo``), the model the engine is asked for. A target the node does
+        not have (a run in the store from an older config) has provider ``unknown`` and
+        its name's model part."""
+        spec = self.node.targets.get(target)
+        if spec is None:
+            model = target.partition("/")[2].partition("@")[0]
+            return (GENAI_OPERATION, UNKNOWN_PROVIDER, model, target, tenant)
+        adapter = self.node.adapters.get(spec.adapter)
+        provider = adapter.kind if adapter is not None else UNKNOWN_PROVIDER
+        return (GENAI_OPERATION, provider, spec.model, target, tenant)
+
+    def _genai_ended(self, end: RunEvent, times: _RunTimes) -> None:
+        """The request duration (QUEUED to ``end``) of a run that started, and its time
+        per output token if it SUCCEEDED with a first delta and 2 output tokens or more:
+        the time after the first delta over the tokens after the first."""
+        status = end.kind.status
+        if status is RunStatus.SUCCEEDED:
+            error = ""
+        elif status is RunStatus.FAILED:
+            error = end.reason or "unknown"
+        else:
+            error = status.value if status is not None else "unknown"
+        self.genai_duration.labels(*times.genai, error).observe(max(0.0, end.time - times.queued))
+        output = (end.usage.completion_tokens if end.usage is not None else None) or 0
+        first = times.first_delta
+        if status is RunStatus.SUCCEEDED and first is not None and output >= 2:
+            decode = max(0.0, end.time - first)
+            self.genai_tpot.labels(*times.genai).observe(decode / (output - 1))
+
+    def _genai_tokens(self, genai: tuple[str, ...], usage: Usage) -> None:
+        """One observation a token type of a run's settled ``usage``; a count that is None
+        (a record stored before the node settled usage) is not observed."""
+        if usage.prompt_tokens is not None:
+            self.genai_tokens.labels(*genai, "input").observe(usage.prompt_tokens)
+        if usage.completion_tokens is not None:
+            self.genai_tokens.labels(*genai, "output").observe(usage.completion_tokens)
 
     def _track(self, run_id: str, times: _RunTimes) -> None:
         runs = self._runs

@@ -36,6 +36,39 @@ FIRST_DELTA_BUCKETS: tuple[float, ...] = (
 """Time to first delta: prompt processing, fine-grained around 0.1-2 s, and model loads."""
 
 
+# The OpenTelemetry GenAI semantic conventions' advised boundaries (gen-ai-metrics.md:
+# "This metric SHOULD be specified with ExplicitBucketBoundaries of [...]").
+GENAI_TTFT_BUCKETS: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+)  # fmt: skip
+"""``gen_ai.server.time_to_first_token``: 1 ms to 10 s."""
+
+GENAI_TPOT_BUCKETS: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
+"""``gen_ai.server.time_per_output_token``: 10 ms to 2.5 s a token."""
+
+GENAI_DURATION_BUCKETS: tuple[float, ...] = (
+    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+)  # fmt: skip
+"""``gen_ai.server.request.duration``: 10 ms doubling to 81.92 s."""
+
+GENAI_TOKEN_BUCKETS: tuple[float, ...] = (
+    1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864,
+)  # fmt: skip
+"""``gen_ai.client.token.usage``: tokens, 1 to 4**13."""
+
+#: The labels every GenAI histogram has, in this order: the conventions' attributes
+#: (dots as underscores) and the node's own target and bounded tenant.
+GENAI_LABELS: tuple[str, ...] = (
+    "gen_ai_operation_name",
+    "gen_ai_provider_name",
+    "gen_ai_request_model",
+    "iop_target",
+    "iop_tenant",
+)
+
+
 @attrs.frozen
 class MetricInfo:
     """One row of the metric table: name as exposed, type, labels, meaning."""
@@ -118,6 +151,36 @@ METRICS: tuple[MetricInfo, ...] = (
         ("tenant", "kind"),
         "Tokens settled at the end of each run that started, by tenant (kind input: the "
         "prompt, output: the completion); the engine's counts, else the node's estimates.",
+    ),
+    MetricInfo(
+        "gen_ai_server_time_to_first_token_seconds",
+        "histogram",
+        GENAI_LABELS,
+        "OpenTelemetry's gen_ai.server.time_to_first_token: from QUEUED (the node received "
+        "the run) to its first delta, queue wait included; every run that got one.",
+    ),
+    MetricInfo(
+        "gen_ai_server_time_per_output_token_seconds",
+        "histogram",
+        GENAI_LABELS,
+        "OpenTelemetry's gen_ai.server.time_per_output_token: (end - first delta) / "
+        "(output tokens - 1), for runs that SUCCEEDED with 2 output tokens or more.",
+    ),
+    MetricInfo(
+        "gen_ai_server_request_duration_seconds",
+        "histogram",
+        (*GENAI_LABELS, "error_type"),
+        "OpenTelemetry's gen_ai.server.request.duration: from QUEUED to the terminal event, "
+        "for runs that started; error_type empty if it succeeded, else the failure reason "
+        "or cancelled / interrupted.",
+    ),
+    MetricInfo(
+        "gen_ai_client_token_usage",
+        "histogram",
+        (*GENAI_LABELS, "gen_ai_token_type"),
+        "OpenTelemetry's gen_ai.client.token.usage: each run that started, its settled "
+        "tokens (gen_ai_token_type input: the prompt, output: the completion; the engine's "
+        "counts, else the node's estimates).",
     ),
     MetricInfo(
         "iop_gate_queued_runs", "gauge", ("target",), "Runs waiting in the gate's queue now."
