@@ -3,6 +3,10 @@
 Fields passed as ``extra={...}`` (``run_id``, ``target``, ``status``,
 ``node_id``...) become keys of the JSON object, and ``key=value`` pairs in
 text mode, so logs can be filtered by run without parsing messages.
+
+A JSON line written while a span is current (a run's own tasks, a door request; see
+:mod:`iop_trio.tracing`) carries its ``trace_id`` and ``span_id`` in hex, so a run's
+lines and its trace find each other; with tracing off there is no span, and no keys.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from .tracing import current_ids
+
 # attributes every LogRecord has; anything else came in through ``extra``
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 
@@ -22,7 +28,8 @@ def _extras(record: logging.LogRecord) -> dict[str, Any]:
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ts (unix), time (ISO 8601 UTC), level, logger, msg, extras."""
+    """One JSON object per line: ts (unix), time (ISO 8601 UTC), level, logger, msg,
+    trace_id and span_id (of the current span, if any), extras."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
@@ -33,6 +40,9 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        ids = current_ids()
+        if ids is not None:
+            entry["trace_id"], entry["span_id"] = ids
         entry.update(_extras(record))
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)

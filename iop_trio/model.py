@@ -328,6 +328,8 @@ class RunSpec:
     ``priority``: higher starts first. ``tenant``: who the run is for ("" is the
     default tenant); tenants share a target fairly by weight. ``queue_timeout``:
     the caller's own bound on waiting (the smaller of it and the target's applies).
+    ``traceparent``/``tracestate``: the W3C trace context of the caller's span, the
+    parent of the run's spans ("": none, a new trace starts; a malformed one is none).
     """
 
     target: str
@@ -339,6 +341,8 @@ class RunSpec:
     priority: int = 0
     tenant: str = ""
     queue_timeout: float | None = None
+    traceparent: str = ""
+    tracestate: str = ""
 
 
 #: Where a target's runs' prompt tokens are counted at admission: the node's estimate

@@ -15,7 +15,17 @@ from pathlib import Path
 
 import pytest
 
-HEAVY = ("trio", "trio_websocket", "httpx", "sqlite3", "google.protobuf", "hypercorn", "yaml")
+HEAVY = (
+    "trio",
+    "trio_websocket",
+    "httpx",
+    "sqlite3",
+    "google.protobuf",
+    "hypercorn",
+    "yaml",
+    # what records spans is the CLI's to install: the package uses only the API
+    "opentelemetry.sdk",
+)
 
 
 def loaded_by(module: str) -> set[str]:
@@ -34,11 +44,13 @@ def loaded_by(module: str) -> set[str]:
     ("module", "allowed"),
     [
         ("iop_trio.model", set()),
+        ("iop_trio.tracing", set()),
         ("iop_trio.lifecycle", set()),
         ("iop_trio.protocol", {"google.protobuf"}),
         ("iop_trio.store", {"trio"}),  # an async interface; no sqlite3
         ("iop_trio.adapters", set()),
         ("iop_trio.runtime", {"trio"}),
+        ("iop_trio.edge", set(HEAVY) - {"opentelemetry.sdk"}),
     ],
 )
 def test_a_layer_loads_only_what_it_needs(module, allowed):

@@ -473,9 +473,11 @@ class HTTPAdapter(Adapter):
         """
         where = self.where(url, request.model)
         client = self.client
+        headers = self.request_headers()
+        headers.update(request.headers)  # the run's trace context
         try:
             http_request = client.build_request(
-                "POST", url, json=body, headers=self.request_headers(), timeout=self.timeout
+                "POST", url, json=body, headers=headers, timeout=self.timeout
             )
         except (TypeError, ValueError) as exc:  # a param value JSON cannot carry
             raise AdapterError(

@@ -25,13 +25,20 @@ from ..model import Capabilities, EngineSignals, Usage
 
 @attrs.frozen
 class AdapterRequest:
-    """One run as an adapter sees it. ``params`` = target profile params overlaid by run options."""
+    """One run as an adapter sees it. ``params`` = target profile params overlaid by run options.
+
+    ``headers``: extra headers for the engine's HTTP request (the W3C ``traceparent``
+    and ``tracestate`` of the run's engine span, so the engine's own spans join its
+    trace); over the adapter's own headers of the same name; an adapter that speaks no
+    HTTP ignores them.
+    """
 
     run_id: str
     model: str
     prompt: str = ""
     messages: tuple[tuple[str, str], ...] = ()
     params: Mapping[str, Any] = attrs.field(factory=dict)
+    headers: Mapping[str, str] = attrs.field(factory=dict)
 
     @property
     def is_chat(self) -> bool:

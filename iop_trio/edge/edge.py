@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
 
 import trio
+from opentelemetry.trace import Span, TracerProvider
 from trio_websocket import WebSocketConnection
 
 from ..model import InvalidRequest, RunSpec, TokenBucket, tenant_problem
@@ -50,6 +51,7 @@ from ..protocol.errors import NodeGone as NodeGone
 from ..protocol.errors import NoNode as NoNode
 from ..protocol.errors import RateLimited as RateLimited
 from ..protocol.errors import TooLateToRelay, refusal_for
+from ..tracing import context_of, get_tracer, headers_of, parent
 from ..transport.caller import ACK_TIMEOUT, RunnerClient, RunStream
 from ..transport.guard import ConnectionBounds, ConnectionGuard
 from ..transport.server import serve_proto, shared_token
@@ -63,6 +65,7 @@ from ..transport.session import (
     SessionSettings,
 )
 from .identities import Caller, Identities, NodeIdentity
+from .spans import carry, client_span, fail, relay_span
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +132,9 @@ class Edge:
 
     ``bounds`` bound the connections of :meth:`serve` and of the OpenAI door served
     with :func:`~iop_trio.edge.front_door.serve_door`, together (``guard``).
+
+    Its spans (:mod:`.spans`) are made by ``tracer_provider`` (None: the global
+    provider, which makes none until one is installed).
     """
 
     def __init__(
@@ -142,6 +148,7 @@ class Edge:
         identities: Identities | None = None,
         ssl_context: ssl.SSLContext | None = None,
         bounds: ConnectionBounds | None = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
         problem = tenant_problem(client_tenant)
         if problem is not None:
@@ -166,6 +173,7 @@ class Edge:
         # each caller's request rate, and its runs open through the edge, by name
         self._rates: dict[str, TokenBucket] = {}
         self.open_runs: collections.Counter[str] = collections.Counter()
+        self.tracer = get_tracer(tracer_provider)
 
     def __repr__(self) -> str:
         return f"<Edge {self.edge_id!r} port={self.port} nodes={sorted(self.nodes)}>"
@@ -380,15 +388,21 @@ class Edge:
 
     @asynccontextmanager
     async def run(self, spec: RunSpec) -> AsyncIterator[RunStream]:
-        """Route ``spec`` to a node and stream its events (raises NoNode)."""
+        """Route ``spec`` to a node and stream its events (raises NoNode). The relay is a
+        span (``iop.relay``), the child of ``spec.traceparent``'s, and the node's parent."""
         handle = self.route(spec.target)
         handle.in_flight += 1
+        relay = relay_span(self.tracer, parent(spec.traceparent, spec.tracestate), handle.node_id)
         try:
-            async with handle.run(spec) as stream:
+            async with handle.run(carry(spec, relay)) as stream:
                 self._remember(stream.run_id, handle.node_id)
                 yield stream
+        except BaseException as exc:
+            fail(relay, type(exc).__name__, str(exc))
+            raise
         finally:
             handle.in_flight -= 1
+            relay.end()
 
     async def cancel(self, run_id: str, reason: str = "") -> pb.CancelResult:
         return await (await self.owner_of(run_id)).cancel(run_id, reason)
@@ -565,6 +579,7 @@ class Edge:
         if owner is not None and owner != handle.node_id and owner in self.nodes:
             raise InvalidRequest(f"run id {message.run_id!r} names a run on another node already")
         ack, within = self._relay_bounds(session, request.nonce)
+        spans = self._relay_spans(message, handle.node_id)
         handle.in_flight += 1
         run_id = ""
         finished = False
@@ -581,12 +596,28 @@ class Edge:
                     # while the client is behind, events gather and deltas go merged
                     await session.reply_events(request.nonce, reply, replies.ready)  # type: ignore[arg-type]
                 finished = True
+        except BaseException as exc:
+            for span in spans:
+                fail(span, type(exc).__name__, str(exc))
+            raise
         finally:
+            for span in spans:
+                span.end()
             handle.in_flight -= 1
             if run_id and not finished and not message.background:
                 # the client went away (or the relay broke): its foreground run goes too
                 with trio.move_on_after(5, shield=True), suppress(RemoteError, SessionClosed):
                     await handle.cancel(run_id, "client_lost")
+
+    def _relay_spans(self, message: pb.RunRequest, node_id: str) -> tuple[Span, Span]:
+        """The spans of a client's run request and of its relay to ``node_id``, the
+        relay's context now ``message``'s (none when tracing is off)."""
+        asked = client_span(self.tracer, message)
+        relay = relay_span(self.tracer, context_of(asked), node_id)
+        headers = headers_of(relay)
+        message.traceparent = headers.get("traceparent", "")
+        message.tracestate = headers.get("tracestate", "")
+        return relay, asked
 
     def admit(
         self, caller: Caller | None, target: str, priority: int, run_id: str

@@ -93,6 +93,7 @@ from ..transport.auth import bearer_token
 from ..transport.caller import RunStream
 from .edge import Edge
 from .identities import Caller
+from .spans import DoorSpan, door_span
 
 log = logging.getLogger(__name__)
 
@@ -435,9 +436,14 @@ class OpenAIFrontDoor:
         if path == "/v1/chat/completions":
             if method != "POST":
                 raise DoorError(405, f"{method} not allowed; POST a chat completion")
-            caller = self._caller(scope)
-            body = await self._body(receive)
-            await self._chat(caller, body, receive, send)
+            with door_span(self.edge.tracer, scope.get("headers") or []) as door:
+                try:
+                    caller = self._caller(scope)
+                    body = await self._body(receive)
+                    await self._chat(caller, body, receive, send, door)
+                except DoorError as exc:
+                    door.refused(exc.code, exc.status, exc.message)
+                    raise
         elif path == "/v1/models" or path.startswith("/v1/models/"):
             if method not in ("GET", "HEAD"):
                 raise DoorError(405, f"{method} not allowed")
@@ -526,7 +532,7 @@ class OpenAIFrontDoor:
         return ""
 
     async def _chat(
-        self, caller: Caller | None, body: object, receive: Receive, send: Send
+        self, caller: Caller | None, body: object, receive: Receive, send: Send, door: DoorSpan
     ) -> None:
         model = body.get("model") if isinstance(body, dict) else None
         request = parse_chat_request(
@@ -543,6 +549,7 @@ class OpenAIFrontDoor:
             tenant=tenant,
             run_id=run_id or None,
         )
+        spec = door.requested(spec, self._adapter_kind(request.target))
         refused: DoorError | None = None
         with ExitStack() as counted:
             self._refuse_on(
@@ -551,14 +558,14 @@ class OpenAIFrontDoor:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
                 try:
-                    await self._run(spec, request, send)
+                    await self._run(spec, request, send, door)
                 except DoorError as exc:  # raised here, not in the nursery's group
                     refused = exc
                 nursery.cancel_scope.cancel()
         if refused is not None:
             raise refused
 
-    async def _run(self, spec: RunSpec, request: ChatRequest, send: Send) -> None:
+    async def _run(self, spec: RunSpec, request: ChatRequest, send: Send, door: DoorSpan) -> None:
         created = int(time.time())
         try:
             async with self.edge.run(spec) as stream:
@@ -568,6 +575,7 @@ class OpenAIFrontDoor:
                     else:
                         await self._whole(stream, request, created, send)
                 finally:
+                    door.ended(stream.last, stream.run_id)
                     if stream.last is None or not stream.last.kind.terminal:
                         await _cancel_abandoned(self.edge, stream.run_id)
         except DoorError:

@@ -32,6 +32,11 @@ from ..model import (
 MAX_PROMPT_CHARS = 4 * 1024 * 1024
 MAX_MESSAGES = 4096
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+#: The longest ``traceparent`` and ``tracestate`` a RunRequest's run keeps (W3C: 55
+#: characters for version 00; a tracestate of 512 need be passed on): a longer one is
+#: dropped, as the propagator drops a malformed one, and the run starts a new trace.
+MAX_TRACEPARENT = 128
+MAX_TRACESTATE = 512
 
 _STATUS_TO_PB: Mapping[RunStatus, int] = {
     RunStatus.QUEUED: pb.RUN_STATUS_QUEUED,
@@ -333,6 +338,7 @@ def spec_from_request(request: pb.RunRequest) -> RunSpec:
     if not request.prompt and not messages:
         raise InvalidRequest("run request with neither a prompt nor messages")
     options = dict_from_struct(request.options) if request.HasField("options") else {}
+    traceparent, tracestate = _trace_context(request.traceparent, request.tracestate)
     return RunSpec(
         target=request.target,
         prompt=request.prompt,
@@ -343,7 +349,16 @@ def spec_from_request(request: pb.RunRequest) -> RunSpec:
         priority=request.priority,
         tenant=request.tenant,
         queue_timeout=(request.queue_timeout_s if request.HasField("queue_timeout_s") else None),
+        traceparent=traceparent,
+        tracestate=tracestate,
     )
+
+
+def _trace_context(traceparent: str, tracestate: str) -> tuple[str, str]:
+    """The trace context a run keeps of a request's: none if it is over the bounds."""
+    if not traceparent or len(traceparent) > MAX_TRACEPARENT:
+        return "", ""
+    return traceparent, tracestate if len(tracestate) <= MAX_TRACESTATE else ""
 
 
 def request_from_spec(spec: RunSpec) -> pb.RunRequest:
@@ -358,6 +373,8 @@ def request_from_spec(spec: RunSpec) -> pb.RunRequest:
         run_id=spec.run_id or "",
         priority=spec.priority,
         tenant=spec.tenant,
+        traceparent=spec.traceparent,
+        tracestate=spec.tracestate,
     )
     if spec.queue_timeout is not None:
         request.queue_timeout_s = spec.queue_timeout

@@ -571,6 +571,12 @@ class Gate:
         for pool in ticket.pools:
             self._limiter(pool).acquire_on_behalf_of_nowait(ticket)
 
+    def full_level(self, borrower: object) -> str | None:
+        """The level that was full as ``borrower``'s waiting run is now (see
+        :meth:`~.tickets.Ticket.full_level`); None if it does not wait."""
+        ticket = self.scheduler.waiting(borrower)
+        return None if ticket is None else ticket.full_level(trio.current_time())
+
     def is_waiting(self, borrower: object) -> bool:
         """Whether ``borrower``'s run waits in the queue."""
         return self.scheduler.waiting(borrower) is not None

@@ -19,6 +19,7 @@ import collections
 import enum
 import logging
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
@@ -27,6 +28,9 @@ from ..lifecycle import RunState
 from ..model import EventKind, RunEvent, RunRecord, RunStatus, Usage
 from ..store.base import RunStore
 from .gate import Permit
+
+if TYPE_CHECKING:
+    from .spans import RunSpans
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +138,8 @@ class LiveRun:
     events: list[RunEvent] | collections.deque[RunEvent] = attrs.field(factory=list)
     published: int = 0  # the seq of the last published event
     _changed: trio.Event | None = None
+    # its open spans (runtime/spans.py); None when tracing is off
+    spans: RunSpans | None = None
 
     def __repr__(self) -> str:
         asked = "" if self.asked is None else f" asked={self.asked.status.value}"
@@ -157,6 +163,8 @@ class LiveRun:
         """A run that waited (QUEUED) was granted ``permit``."""
         self.move(RunPhase.ADMITTED)
         self.permit = permit
+        if self.spans is not None:
+            self.spans.admitted()
 
     def ask(self, outcome: Outcome) -> bool:
         """Ask the run to end as ``outcome``; False (and nothing asked) if a cancel or a
@@ -179,6 +187,10 @@ class LiveRun:
             self.events = collections.deque(self.events, maxlen=EVENT_WINDOW)
         self.published = event.seq
         self._wake()
+        if self.spans is not None and event.kind.terminal:
+            with self.spans.current():  # the log line of its end names its trace
+                notify(self.listeners, event, self.state.record)
+            return
         notify(self.listeners, event, self.state.record)
 
     def publish_start(self) -> None:
@@ -198,13 +210,30 @@ class LiveRun:
         return self.events[index] if 0 <= index < len(self.events) else None
 
     def end(self) -> None:
-        """Its end is published (or given up on): ENDED, and its watchers are woken."""
+        """Its end is published (or given up on): ENDED, its watchers are woken, and its
+        spans end with its last event."""
         self.move(RunPhase.ENDED)
         self._wake()
+        if self.spans is not None:
+            last = self.events[-1] if self.events else None
+            self.spans.ended(
+                last if last is not None and last.kind.terminal else None, self.state.record
+            )
+            self.spans = None
 
     def discard(self) -> None:
-        """It was never stored: ENDED, without waking anybody (nobody was told of it)."""
+        """It was never stored: ENDED, without waking anybody (nobody was told of it);
+        its spans end, an error (``not_stored``)."""
         self.move(RunPhase.ENDED)
+        if self.spans is not None:
+            self.spans.ended(None, self.state.record)
+            self.spans = None
+
+    def trace_here(self) -> None:
+        """Its run span is the current span for the rest of the calling task (one of the
+        run's own: for the log lines about it); nothing without spans."""
+        if self.spans is not None:
+            self.spans.make_current()
 
     def _wake(self) -> None:
         if self._changed is not None:
@@ -320,9 +349,14 @@ class LiveRuns:
             live.publish(event)
             return
         live.unsynced = 0
+        spans = live.spans if event.kind.terminal else None
+        if spans is not None:
+            spans.write_began()
         try:
             await self.store.append(event)
         finally:
+            if spans is not None:
+                spans.write_ended()
             # the store took the event before its first checkpoint, so it is
             # published even when the wait for durability was cancelled
             live.publish(event)

@@ -71,6 +71,7 @@ from .live import Listener, LiveRun, LiveRuns, Outcome, RunPhase, RunWatcher
 from .live import notify as notify  # runtime/node.py imports it from here
 from .pipeline import EngineAnswered, FirstToken, StreamRelay
 from .reservation import Reservations
+from .spans import NO_TRACER, RunTracer
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +164,10 @@ class RunManager:
         chars_per_token: float = CHARS_PER_TOKEN,
         run_ended: RunEnded | None = None,
         first_token: FirstToken | None = None,
+        tracer: RunTracer = NO_TRACER,
     ) -> None:
         self._nursery = nursery
+        self._tracer = tracer  # each run's spans (runtime/spans.py)
         self._gate = gate
         self._store = store
         self._adapters = adapters
@@ -298,6 +301,7 @@ class RunManager:
         if run_id in self.runs:
             raise InvalidRequest(f"run {run_id} is being created already")
         live = self.runs.add(run_id, state, None if spec.background else owner)
+        live.spans = self._tracer.begin(run_id, spec, target)
         if counted is not None:
             live.prompt_tokens, live.prompt_exact = counted
         queued = attrs.evolve(state.record)
@@ -364,6 +368,8 @@ class RunManager:
             return partial(self._finish, live, _rejected(rejected))
         if permit is None:
             self._as_data[live] = (target, spec)
+            if live.spans is not None:
+                live.spans.wait_began(self._gate.full_level(live) or "queue")
             return None
         live.admit(permit)
         return partial(self._carry_on, live, target, spec, permit)
@@ -445,6 +451,7 @@ class RunManager:
     ) -> None:
         """Run an admitted run to its end, holding ``permit``; record its end. ``started``:
         its STARTED event is stored already (with QUEUED, see :meth:`_create`)."""
+        live.trace_here()
         run_id = live.state.record.run_id
         outcome: Outcome | None = None
         try:
@@ -518,6 +525,7 @@ class RunManager:
         """Make the run's terminal event from ``outcome``, with its usage if it started
         (:meth:`_settled`), so the usage is stored with the end, in the same write, and
         is never settled twice; write it (bounded, shielded) and publish it."""
+        live.trace_here()
         run_id = live.state.record.run_id
         if outcome.status not in TRANSITIONS[live.state.status]:
             # only a bug gets here (e.g. an internal error while QUEUED, which

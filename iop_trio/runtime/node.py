@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import attrs
 import trio
+from opentelemetry.trace import TracerProvider
 
 from .. import __version__
 from ..adapters.base import Adapter, AdapterError, AdapterRequest
@@ -45,9 +46,11 @@ from ..model import (
     positive_problem,
 )
 from ..store.base import RunStore
+from ..tracing import get_tracer
 from .gate import Gate, Permit
 from .learning import CapacityLearner
 from .manager import RunManager, notify
+from .spans import RunTracer
 from .tickets import HOLD_AFTER, Pool
 
 log = logging.getLogger(__name__)
@@ -115,7 +118,9 @@ def _either(own: T | None, default: T | None) -> T | None:
 class Node:
     """One inference node, keeping its runs in ``store``.
 
-    Configuration errors raise ValueError from the constructor.
+    Configuration errors raise ValueError from the constructor. Its runs' spans
+    (:mod:`.spans`) are made by ``tracer_provider`` (None: the global provider, which
+    makes none until one is installed).
     """
 
     def __init__(
@@ -126,8 +131,12 @@ class Node:
         targets: Sequence[TargetSpec],
         store: RunStore,
         limits: RuntimeLimits | None = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
         self.node_id = node_id
+        #: what makes its runs' spans: ``tracer_provider``'s tracer, else the global
+        #: provider's (a no-op until one is installed: then runs have no spans)
+        self.tracer = get_tracer(tracer_provider)
         self.version = __version__
         self.runtime = limits or RuntimeLimits()
         self.store = store
@@ -335,6 +344,9 @@ class Node:
             run_ended=self.run_ended if self.auto else None,
             first_token=self.first_token if self.auto else None,
             chars_per_token=self.runtime.chars_per_token,
+            tracer=RunTracer(
+                self.tracer, self.node_id, {n: a.kind for n, a in self._adapters.items()}
+            ),
         )
         for name, (auto, pool) in self.auto.items():
             learner = CapacityLearner(name, auto, pool, self.adapter_of_pool(name), self.gate)

@@ -183,7 +183,21 @@ class StreamRelay:
     ) -> Outcome:
         """Relay the adapter's stream as delta events. The chunks that came in while the
         run was busy (the engine is faster than one event a chunk) become one delta:
-        the same text in the same order, fewer events (see :func:`gathered`)."""
+        the same text in the same order, fewer events (see :func:`gathered`). A run with
+        spans has its engine span around it, whose context goes with the request."""
+        spans = live.spans
+        if spans is None:
+            return await self._relay(live, adapter, request, target)
+        outcome: Outcome | None = None
+        try:
+            outcome = await self._relay(live, adapter, spans.engine_began(request), target)
+            return outcome
+        finally:
+            spans.engine_ended(outcome)
+
+    async def _relay(
+        self, live: LiveRun, adapter: Adapter, request: AdapterRequest, target: TargetSpec
+    ) -> Outcome:
         limit = target.max_output_bytes
         sent = live.sent_at = trio.current_time()
         relayed = _Relayed(sent, math.inf if limit is None else limit)
@@ -238,6 +252,8 @@ class StreamRelay:
 
     def _first_came(self, live: LiveRun, relayed: _Relayed) -> None:
         first = relayed.first = live.first_at = trio.current_time()
+        if live.spans is not None:
+            live.spans.first_token()
         if self.first_token is not None and live.permit is not None:
             self.first_token(live.permit, first - relayed.sent)
 

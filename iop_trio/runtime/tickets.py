@@ -213,6 +213,21 @@ class Ticket:
         lane = self.lane
         return (self.tenant.pool, lane.target, lane.adapter, lane.node)
 
+    def full_level(self, now: float) -> str:
+        """Which level keeps it from starting now: the first of its pools, most specific
+        first (``tenant``, ``target``, ``adapter``, ``global``), with no room for one
+        more run or for its tokens; ``tenant`` too for a tenant over its token rate;
+        ``queue`` when every level has room (runs ranked before it go first, or holders
+        keep the tokens it would take). Looks at four pools: cheap."""
+        for level, pool in zip(LEVELS, self.pools, strict=True):
+            if not pool.has_room or not pool.fits_tokens(self.cost):
+                return level
+        return "queue" if self.tenant.rate_ready(self.cost, now) else "tenant"
+
+
+#: The names of a ticket's pools' levels, in :attr:`Ticket.pools`' order.
+LEVELS = ("tenant", "target", "adapter", "global")
+
 
 @attrs.define(eq=False)
 class Level:

@@ -237,7 +237,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class RunRequest(_message.Message):
-    __slots__ = ("target", "prompt", "messages", "background", "run_id", "options", "priority", "tenant", "queue_timeout_s")
+    __slots__ = ("target", "prompt", "messages", "background", "run_id", "options", "priority", "tenant", "queue_timeout_s", "traceparent", "tracestate")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,8 @@ class RunRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRACESTATE_FIELD_NUMBER: _ClassVar[int]
     target: str
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -256,7 +258,9 @@ class RunRequest(_message.Message):
     priority: int
     tenant: str
     queue_timeout_s: float
-    def __init__(self, target: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., background: _Optional[bool] = ..., run_id: _Optional[str] = ..., options: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., queue_timeout_s: _Optional[float] = ...) -> None: ...
+    traceparent: str
+    tracestate: str
+    def __init__(self, target: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., background: _Optional[bool] = ..., run_id: _Optional[str] = ..., options: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., queue_timeout_s: _Optional[float] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
 
 class RunAccepted(_message.Message):
     __slots__ = ("run_id", "status", "existing")
