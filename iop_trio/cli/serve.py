@@ -4,13 +4,16 @@
 ``worker_serve``: the store (locked) outermost, then the node and the ops endpoints (so
 ``/healthz`` says "draining" through a drain), then the edge link and the pruner; it
 reports what it bound with ``task_status.started`` and waits for a signal to drain.
+:func:`serve_process` is the whole process: tracing installed around :func:`serve`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
+from collections.abc import Mapping
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -24,6 +27,7 @@ from ..model import RunEvent, RunRecord
 from ..ops import OpsApp, serve_ops
 from ..runtime import Node
 from ..store import RunStore
+from ..telemetry import NODE_SERVICE, installed, resolve
 from .errors import CliError
 from .store_lock import StoreLock, check_store_writable, open_store, store_note
 
@@ -79,6 +83,19 @@ async def prune_loop(store: RunStore, config: NodeConfig) -> None:
         if removed:
             log.info("pruned %d runs older than %g days", removed, days, extra={"pruned": removed})
         await trio.sleep(config.store.prune_interval)
+
+
+def serve_process(config: NodeConfig, environ: Mapping[str, str] | None = None) -> int:
+    """``iop-node serve`` as a process: tracing installed from ``tracing:`` and the
+    OTEL_* variables of ``environ`` (``os.environ``; nothing when off), :func:`serve`
+    until a signal has drained the node, then the tracer provider shut down, flushing
+    its spans, however serve ended. A bad OTEL_* value is a ConfigError, before
+    anything starts."""
+    settings = resolve(
+        config.tracing, os.environ if environ is None else environ, service_name=NODE_SERVICE
+    )
+    with installed(settings, node_id=config.node_id):
+        return trio.run(serve, config)
 
 
 async def serve(
