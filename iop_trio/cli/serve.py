@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -156,14 +156,17 @@ async def _run_node(
         async with trio.open_nursery() as nursery:
             link = _start_link(nursery, config, node, metrics)
             nursery.start_soon(prune_loop, node.store, config)
-            log.info(
-                "node %s serving %s",
-                config.node_id,
-                ", ".join(node.targets),
-                extra={"node_id": config.node_id, "version": __version__},
-            )
-            task_status.started(Serving(node, ops_address))
-            await wait_and_drain(node, config.runtime.drain_timeout, stop)
+
+            def serving() -> None:  # once a signal drains: "serving" means SIGTERM is safe
+                log.info(
+                    "node %s serving %s",
+                    config.node_id,
+                    ", ".join(node.targets),
+                    extra={"node_id": config.node_id, "version": __version__},
+                )
+                task_status.started(Serving(node, ops_address))
+
+            await wait_and_drain(node, config.runtime.drain_timeout, stop, ready=serving)
             if link is not None:
                 await link.aclose("node stopping")
             nursery.cancel_scope.cancel()
@@ -220,10 +223,19 @@ def _start_link(
     return link
 
 
-async def wait_and_drain(node: Node, grace: float, stop: trio.Event | None = None) -> None:
+async def wait_and_drain(
+    node: Node,
+    grace: float,
+    stop: trio.Event | None = None,
+    *,
+    ready: Callable[[], None] | None = None,
+) -> None:
     """Wait for SIGTERM or SIGINT (or ``stop``), then drain ``node``; a second signal
-    cancels every run at once."""
+    cancels every run at once. ``ready`` is called once the signals are caught, so a
+    signal sent after it drains rather than kills the process."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        if ready is not None:
+            ready()
         why = "stop"
         async with trio.open_nursery() as waiting:
 
