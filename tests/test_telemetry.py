@@ -538,3 +538,20 @@ def _environ() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+
+
+def test_the_examples_tracing_section_is_off_and_right_when_uncommented(tmp_path):
+    example = Path(__file__).resolve().parent.parent / "examples" / "node.yaml"
+    text = example.read_text()
+    assert load_config(example, environ={}).tracing == TracingConfig()  # commented: off
+    at = text.index("# tracing:\n")
+    block = [line.removeprefix("# ") for line in text[at:].splitlines() if line.strip()]
+    section = "\n".join(line for line in block if not line.lstrip().startswith("#"))
+    path = write_config(tmp_path, section + "\n")
+    assert load_config(path, environ={}).tracing == TracingConfig(
+        exporter="otlp",
+        endpoint="http://collector:4318",
+        service_name="iop-node-gpu7",
+        sampler="parentbased_traceidratio",
+        sampler_arg=0.1,
+    )
