@@ -2,7 +2,7 @@
 
     python benchmarks/relay.py [--quick] [--concurrency 1,16,64,256] [--delays-ms 0,20]
                                [--tokens 8,256] [--limit 4] [--window 4] [--store sqlite]
-                               [--rev REV] [--cpu-detail] [--node-profile FILE]
+                               [--rev REV] [--cpu-detail] [--node-profile FILE] [--tracing]
 
 Four processes on loopback, each measured alone (CPU time from /proc/<pid>/stat,
 utime + stime of all its threads, read at the start and the end of each window):
@@ -72,7 +72,12 @@ under each row: each process's share of a core and, for the node and the
 edge, the share spent in the kernel and in threads other than the main one
 (the SQLite writer, trio's worker threads). ``--node-profile FILE`` runs the
 node under cProfile (main thread only; its CPU figures then include the
-profiler's). Every process started here is ended by its pid (SIGTERM, then
+profiler's). ``--tracing`` starts the edge and the node with tracing on
+(``OTEL_TRACES_EXPORTER=console``, ``OTEL_TRACES_SAMPLER=always_on``: every span of
+every run is made, batched and written as JSON to their log file in the temporary
+folder), so its figures against a run without it are the cost of tracing; without it
+every ``OTEL_*`` variable of the environment is dropped, so tracing is off whatever
+the shell says. Every process started here is ended by its pid (SIGTERM, then
 SIGKILL after a timeout), on errors and Ctrl-C too; the engine also exits
 when its parent goes.
 """
@@ -129,6 +134,8 @@ IDLE_SECONDS = 2.0  # how long the processes' idle CPU is measured
 PR_SET_PDEATHSIG = 1
 QUIET_SECONDS, QUIET_CPU = 0.5, 0.02  # between measurements: node and edge CPU at most this
 MAX_TIMES = 100_000  # request times the engine keeps for --split (a C=1 window has fewer)
+#: --tracing: the edge and the node export every span to stdout (their log file)
+TRACING_ENV = {"OTEL_TRACES_EXPORTER": "console", "OTEL_TRACES_SAMPLER": "always_on"}
 
 # --- the fake engine (its own process: relay.py --engine) --------------------------------
 
@@ -995,18 +1002,32 @@ def start_engine(start: Callable[..., Proc], env: dict[str, str], folder: Path) 
 
 
 @contextmanager
-def stack(*, limit: int, store: str = "sqlite", node_profile: str | None = None) -> Iterator[Stack]:
-    """Start the engine, the edge and the node (in a temporary folder); end them after."""
+def stack(
+    *,
+    limit: int,
+    store: str = "sqlite",
+    node_profile: str | None = None,
+    tracing: bool = False,
+) -> Iterator[Stack]:
+    """Start the engine, the edge and the node (in a temporary folder); end them after.
+    With ``tracing``, the edge and the node trace every run to their log (stdout)."""
     token = secrets.token_urlsafe(24)
     with tempfile.TemporaryDirectory(prefix="iop-relay-") as tmp, processes() as start:
         folder = Path(tmp)
-        base_env = {k: v for k, v in os.environ.items() if not k.startswith("IOP_")}
+        base_env = {k: v for k, v in os.environ.items() if not k.startswith(("IOP_", "OTEL_"))}
         engine, engine_port = start_engine(start, base_env, folder)
+        traced = dict(TRACING_ENV) if tracing else {}
+        if tracing:
+            print(
+                "tracing on in the edge and the node: "
+                + ", ".join(f"{k}={v}" for k, v in TRACING_ENV.items())
+                + f" (spans to {folder}/edge.log and node.log)"
+            )
         edge_port = free_port()
         edge = start(
             "edge",
             [str(NODE_BIN), "edge", "--listen", f"127.0.0.1:{edge_port}"],
-            {**base_env, "IOP_EDGE_TOKEN": token},
+            {**base_env, **traced, "IOP_EDGE_TOKEN": token},
             folder / "edge.log",
         )
         edge.wait_for(r"edge listening on")
@@ -1024,7 +1045,7 @@ def stack(*, limit: int, store: str = "sqlite", node_profile: str | None = None)
         node = start(
             "node",
             [*argv, "--config", str(config)],
-            {**base_env, "IOP_EDGE__TOKEN": token},
+            {**base_env, **traced, "IOP_EDGE__TOKEN": token},
             folder / "node.log",
         )
         node.wait_for(r"node relay-bench serving")
@@ -1116,7 +1137,9 @@ def main(ns: argparse.Namespace) -> int:
                 )
         return 0
     try:
-        with stack(limit=ns.limit, store=ns.store, node_profile=ns.node_profile) as procs:
+        with stack(
+            limit=ns.limit, store=ns.store, node_profile=ns.node_profile, tracing=ns.tracing
+        ) as procs:
 
             async def go() -> None:
                 async with httpx.AsyncClient(timeout=30) as control:
@@ -1206,6 +1229,12 @@ if __name__ == "__main__":
         "--node-profile",
         metavar="FILE",
         help="run the node under cProfile (main thread), stats to FILE when it stops",
+    )
+    parser.add_argument(
+        "--tracing",
+        action="store_true",
+        help="trace every run in the edge and the node (console exporter to their logs, "
+        "always_on sampler), to measure tracing's cost against a run without it",
     )
     parser.add_argument(
         "--node-alone",

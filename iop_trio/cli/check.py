@@ -8,6 +8,7 @@ it serves its model and the edge whether it takes the node's token, and
 
 from __future__ import annotations
 
+import os
 from typing import TextIO
 from urllib.parse import urlsplit
 
@@ -17,6 +18,7 @@ from ..adapters import AdapterError
 from ..config import NodeConfig, is_loopback
 from ..model import Limits, redact_url
 from ..runtime import Node
+from ..telemetry import NODE_SERVICE, resolve
 from .submit import submit_failure
 
 #: Seconds ``check-config --probe`` waits for the edge's WebSocket to open.
@@ -24,7 +26,8 @@ PROBE_CONNECT_TIMEOUT = 5.0
 
 
 def check_config(config: NodeConfig, out: TextIO, *, probe: bool = False) -> int:
-    """Build everything the config describes (nothing is started) and summarise it.
+    """Build everything the config describes (nothing is started) and summarise it,
+    tracing as ``serve`` would resolve it (with the OTEL_* variables).
 
     With ``probe``, also ask each engine which models it serves and open a WebSocket
     to the edge with the node's token; 1 if any target or the edge cannot be reached.
@@ -41,11 +44,13 @@ def check_config(config: NodeConfig, out: TextIO, *, probe: bool = False) -> int
     config.edge_token()
     config.edge_ssl_context()  # its key file's mode, as serve checks it
     config.ops_token()
+    tracing = resolve(config.tracing, os.environ, service_name=NODE_SERVICE)
     limits = node.limits()
     out.write(f"{config.source}: ok\n")
     out.write(f"  node {config.node_id}, edge {redact_url(config.edge.url) or '(none)'}\n")
     where = config.store.path if config.store.kind == "sqlite" else "(in memory)"
     out.write(f"  store {config.store.kind} {where}\n")
+    out.write(f"  tracing {tracing.describe()}\n")
     out.write(
         f"  runtime concurrency={limits.concurrency} max_queued={limits.max_queued} "
         f"queue_timeout={limits.queue_timeout:g}s\n"

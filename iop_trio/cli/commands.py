@@ -17,14 +17,14 @@ from typing import TextIO
 import trio
 
 from .. import __version__
-from ..config import NodeConfig, load_config
+from ..config import TRACE_EXPORTERS, TRACE_SAMPLERS, NodeConfig, load_config
 from ..logs import setup_logging
 from ..model import RunStatus
 from .check import check_config
-from .demo import demo
-from .edge import edge_command, hash_token
+from .demo import demo_process
+from .edge import edge_process, hash_token
 from .runs import runs_cancel, runs_list, runs_show
-from .serve import serve
+from .serve import serve_process
 from .spec import Command, FromEnv, Runner, arg, chosen
 from .spec import build_parser as _build
 from .submit import submit
@@ -49,7 +49,7 @@ def _start_serve(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     setup_logging(config.logging.level, config.logging.format)
     for warning in config.warnings:  # in the node's log, not on stderr
         log.warning("%s", warning)
-    return trio.run(serve, config)
+    return serve_process(config)
 
 
 def _start_check_config(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -76,7 +76,7 @@ def _start_submit(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 def _start_edge(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     setup_logging("info")
-    return trio.run(edge_command, ns, out)
+    return edge_process(ns, out)
 
 
 def _start_hash_token(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -85,7 +85,7 @@ def _start_hash_token(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 def _start_demo(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     setup_logging("info")
-    return trio.run(demo, ns, out)
+    return demo_process(ns, out)
 
 
 CONFIG = arg(
@@ -243,6 +243,38 @@ EDGE_ARGS = (
         type=int,
         metavar="N",
         help="connections at once, both ports together (default: the open-file limit less 64)",
+    ),
+    # tracing (docs/operations.md "Tracing"): each flag not given falls back to its OTEL_*
+    arg(
+        "--otel-exporter",
+        choices=TRACE_EXPORTERS,
+        help="send the edge's spans: none, console (stdout) or otlp (OTLP/HTTP, the otlp "
+        "extra); default: $OTEL_TRACES_EXPORTER, else none (tracing off)",
+    ),
+    arg(
+        "--otel-endpoint",
+        metavar="URL",
+        help="the OTLP/HTTP collector's base URL (/v1/traces is added); default: "
+        "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, $OTEL_EXPORTER_OTLP_ENDPOINT, else "
+        "http://localhost:4318",
+    ),
+    arg(
+        "--otel-service-name",
+        metavar="NAME",
+        help="the spans' service.name (default: $OTEL_SERVICE_NAME, else iop-edge)",
+    ),
+    arg(
+        "--otel-sampler",
+        choices=TRACE_SAMPLERS,
+        help="which traces to keep (default: $OTEL_TRACES_SAMPLER, else "
+        "parentbased_always_on: the caller's choice, else all)",
+    ),
+    arg(
+        "--otel-sampler-arg",
+        type=float,
+        metavar="RATIO",
+        help="the share the ratio samplers keep, 0 to 1 (default: $OTEL_TRACES_SAMPLER_ARG, "
+        "else 1)",
     ),
 )
 

@@ -2,13 +2,15 @@
 echo targets, on loopback, until Ctrl-C.
 
 The node is an ordinary :func:`~iop_trio.cli.serve.serve` of a config the demo writes
-(:data:`DEMO_CONFIG`, with a token file and a fresh ops token) in ``--var``.
+(:data:`DEMO_CONFIG`, with a token file and a fresh ops token) in ``--var``. Its
+tracing is off unless the OTEL_* variables say otherwise (:func:`demo_process`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import socket
 import sys
@@ -20,8 +22,9 @@ import attrs
 import trio
 
 from .. import __version__
-from ..config import load_config
+from ..config import TracingConfig, load_config
 from ..model import RunSpec
+from ..telemetry import DEMO_SERVICE, installed, resolve
 from .errors import CliError
 from .serve import serve
 
@@ -70,6 +73,15 @@ def write_demo_files(folder: Path, edge_port: int, metrics_port: int) -> tuple[P
     config_path = folder / "demo.yaml"
     config_path.write_text(DEMO_CONFIG.format(metrics_port=metrics_port, edge_port=edge_port))
     return config_path, token_file
+
+
+def demo_process(ns: argparse.Namespace, out: TextIO) -> int:
+    """``iop-node demo`` as a process: tracing from the OTEL_* variables alone (off
+    when they say nothing; one provider for the edge and the node, which share the
+    process), the demo until Ctrl-C, then the provider shut down, flushing its spans."""
+    settings = resolve(TracingConfig(), os.environ, service_name=DEMO_SERVICE)
+    with installed(settings):
+        return trio.run(demo, ns, out)
 
 
 async def demo(ns: argparse.Namespace, out: TextIO) -> int:

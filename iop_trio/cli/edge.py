@@ -2,7 +2,9 @@
 
 :func:`edge_command` turns the flags into an :class:`~iop_trio.edge.Edge`, checking
 each in the order the flags are documented (the first bad one is the error, exit 2),
-then serves it, and its OpenAI-compatible door if asked, until SIGTERM or SIGINT.
+then serves it, and its OpenAI-compatible door if asked, until SIGTERM or SIGINT;
+:func:`edge_process` is the whole process, with the tracing of the ``--otel-*`` flags
+(:func:`edge_tracing`) installed around it.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import os
 import signal
 import ssl
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, TextIO
 
 import trio
 
-from ..config import read_secret_file, split_listen
+from ..config import TracingConfig, read_secret_file, split_listen
+from ..telemetry import EDGE_SERVICE, TracingSettings, installed, resolve
 from .errors import CliError
 
 if TYPE_CHECKING:
@@ -26,6 +30,32 @@ if TYPE_CHECKING:
     from ..transport.guard import ConnectionBounds
 
 log = logging.getLogger("iop_trio.node")
+
+
+def edge_tracing(ns: argparse.Namespace, environ: Mapping[str, str]) -> TracingSettings:
+    """The tracing of the ``--otel-*`` flags, each one not given from its OTEL_*
+    variable in ``environ``, else off; a bad flag is a CliError naming it (exit 2), a
+    bad variable a ConfigError naming it."""
+    try:
+        given = TracingConfig(
+            exporter=ns.otel_exporter,
+            endpoint=ns.otel_endpoint,
+            service_name=ns.otel_service_name,
+            sampler=ns.otel_sampler,
+            sampler_arg=ns.otel_sampler_arg,
+        )
+    except ValueError as exc:  # the validator's "key: problem"
+        key, _, problem = str(exc).partition(": ")
+        raise CliError(f"--otel-{key.replace('_', '-')}: {problem}", code=2) from None
+    return resolve(given, environ, service_name=EDGE_SERVICE)
+
+
+def edge_process(ns: argparse.Namespace, out: TextIO) -> int:
+    """``iop-node edge`` as a process: its tracing installed (nothing when off), the
+    edge served until SIGTERM or SIGINT, then the tracer provider shut down, flushing
+    its spans, however the edge ended."""
+    with installed(edge_tracing(ns, os.environ)):
+        return trio.run(edge_command, ns, out)
 
 
 async def edge_command(ns: argparse.Namespace, out: TextIO) -> int:

@@ -4,13 +4,16 @@
 ``worker_serve``: the store (locked) outermost, then the node and the ops endpoints (so
 ``/healthz`` says "draining" through a drain), then the edge link and the pruner; it
 reports what it bound with ``task_status.started`` and waits for a signal to drain.
+:func:`serve_process` is the whole process: tracing installed around :func:`serve`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -24,6 +27,7 @@ from ..model import RunEvent, RunRecord
 from ..ops import OpsApp, serve_ops
 from ..runtime import Node
 from ..store import RunStore
+from ..telemetry import NODE_SERVICE, installed, resolve
 from .errors import CliError
 from .store_lock import StoreLock, check_store_writable, open_store, store_note
 
@@ -79,6 +83,19 @@ async def prune_loop(store: RunStore, config: NodeConfig) -> None:
         if removed:
             log.info("pruned %d runs older than %g days", removed, days, extra={"pruned": removed})
         await trio.sleep(config.store.prune_interval)
+
+
+def serve_process(config: NodeConfig, environ: Mapping[str, str] | None = None) -> int:
+    """``iop-node serve`` as a process: tracing installed from ``tracing:`` and the
+    OTEL_* variables of ``environ`` (``os.environ``; nothing when off), :func:`serve`
+    until a signal has drained the node, then the tracer provider shut down, flushing
+    its spans, however serve ended. A bad OTEL_* value is a ConfigError, before
+    anything starts."""
+    settings = resolve(
+        config.tracing, os.environ if environ is None else environ, service_name=NODE_SERVICE
+    )
+    with installed(settings, node_id=config.node_id):
+        return trio.run(serve, config)
 
 
 async def serve(
@@ -139,14 +156,17 @@ async def _run_node(
         async with trio.open_nursery() as nursery:
             link = _start_link(nursery, config, node, metrics)
             nursery.start_soon(prune_loop, node.store, config)
-            log.info(
-                "node %s serving %s",
-                config.node_id,
-                ", ".join(node.targets),
-                extra={"node_id": config.node_id, "version": __version__},
-            )
-            task_status.started(Serving(node, ops_address))
-            await wait_and_drain(node, config.runtime.drain_timeout, stop)
+
+            def serving() -> None:  # once a signal drains: "serving" means SIGTERM is safe
+                log.info(
+                    "node %s serving %s",
+                    config.node_id,
+                    ", ".join(node.targets),
+                    extra={"node_id": config.node_id, "version": __version__},
+                )
+                task_status.started(Serving(node, ops_address))
+
+            await wait_and_drain(node, config.runtime.drain_timeout, stop, ready=serving)
             if link is not None:
                 await link.aclose("node stopping")
             nursery.cancel_scope.cancel()
@@ -203,10 +223,19 @@ def _start_link(
     return link
 
 
-async def wait_and_drain(node: Node, grace: float, stop: trio.Event | None = None) -> None:
+async def wait_and_drain(
+    node: Node,
+    grace: float,
+    stop: trio.Event | None = None,
+    *,
+    ready: Callable[[], None] | None = None,
+) -> None:
     """Wait for SIGTERM or SIGINT (or ``stop``), then drain ``node``; a second signal
-    cancels every run at once."""
+    cancels every run at once. ``ready`` is called once the signals are caught, so a
+    signal sent after it drains rather than kills the process."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        if ready is not None:
+            ready()
         why = "stop"
         async with trio.open_nursery() as waiting:
 

@@ -8,8 +8,11 @@ e.g. ``node.yaml: runtime.concurrency: must be an integer >= 1, not 0``.
 Environment overrides: ``IOP_<PATH>`` where ``__`` separates levels and the
 value is read as a YAML scalar, so ``IOP_RUNTIME__CONCURRENCY=16``,
 ``IOP_EDGE__TOKEN=...``, ``IOP_ADAPTERS__VLLM__API_KEY=...``,
-``IOP_NODE_ID=gpu-7``. A variable naming no known key (a typo, or a variable of
-some other tool's that starts with ``IOP_``) is ignored, and said once:
+``IOP_NODE_ID=gpu-7``, ``IOP_TRACING__EXPORTER=console``. Only ``IOP_*`` variables
+are read here: the standard ``OTEL_*`` ones are tracing's fallbacks
+(:mod:`iop_trio.telemetry`), never config overrides. A variable naming no known key
+(a typo, or a variable of some other tool's that starts with ``IOP_``) is ignored, and
+said once:
 :attr:`NodeConfig.warnings`; one naming a key with a bad value is an error.
 Targets are a list and are not overridable from the environment.
 
@@ -26,6 +29,8 @@ from .errors import ConfigError
 from .loading import ENV_PREFIX, PATH_KEYS, apply_env, load_config, relative_to, structure_config
 from .schema import (
     SECRET_KEYS,
+    TRACE_EXPORTERS,
+    TRACE_SAMPLERS,
     AdapterConfig,
     EdgeConfig,
     LoggingConfig,
@@ -35,7 +40,10 @@ from .schema import (
     StoreConfig,
     TargetConfig,
     TenantConfig,
+    TracingConfig,
+    endpoint_problem,
     is_loopback,
+    ratio_problem,
     read_secret_file,
     split_listen,
 )
@@ -45,6 +53,8 @@ __all__ = [
     "ENV_PREFIX",
     "PATH_KEYS",
     "SECRET_KEYS",
+    "TRACE_EXPORTERS",
+    "TRACE_SAMPLERS",
     "AdapterConfig",
     "ConfigError",
     "EdgeConfig",
@@ -55,10 +65,13 @@ __all__ = [
     "StoreConfig",
     "TargetConfig",
     "TenantConfig",
+    "TracingConfig",
     "apply_env",
+    "endpoint_problem",
     "is_loopback",
     "load_config",
     "parse_yaml",
+    "ratio_problem",
     "read_secret_file",
     "relative_to",
     "split_listen",

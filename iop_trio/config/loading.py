@@ -30,11 +30,14 @@ from .schema import (
     NodeConfig,
     RuntimeConfig,
     StoreConfig,
+    TracingConfig,
     adapter_settings,
     error_lines,
 )
 from .yaml_source import parse_yaml
 
+#: Only variables with this prefix override node.yaml; the standard OTEL_* ones are
+#: tracing's own fallbacks (iop_trio.telemetry), never config overrides.
 ENV_PREFIX = "IOP_"
 
 #: The sections of node.yaml that are one attrs class each, for IOP_* overrides.
@@ -44,6 +47,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "runtime": RuntimeConfig,
     "metrics": MetricsConfig,
     "logging": LoggingConfig,
+    "tracing": TracingConfig,
 }
 
 

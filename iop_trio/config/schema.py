@@ -12,7 +12,8 @@ import re
 import ssl
 import stat
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
+from urllib.parse import urlsplit
 
 import attrs
 import cattrs
@@ -292,6 +293,55 @@ class LoggingConfig:
     format: Literal["text", "json"] = "text"
 
 
+TraceExporter = Literal["none", "console", "otlp"]
+TraceSampler = Literal[
+    "always_on",
+    "always_off",
+    "traceidratio",
+    "parentbased_always_on",
+    "parentbased_always_off",
+    "parentbased_traceidratio",
+]
+#: The exporters and samplers tracing knows, by their OTEL_* names.
+TRACE_EXPORTERS: tuple[str, ...] = get_args(TraceExporter)
+TRACE_SAMPLERS: tuple[str, ...] = get_args(TraceSampler)
+
+
+def ratio_problem(value: object) -> str | None:
+    """What is wrong with ``value`` as a sampling ratio (a number from 0 to 1), or None."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= 1:
+        return None
+    return f"must be a ratio from 0 to 1, not {value!r}"
+
+
+def endpoint_problem(value: object) -> str | None:
+    """What is wrong with ``value`` as an OTLP/HTTP endpoint (an http(s) URL), or None."""
+    if isinstance(value, str):
+        parts = urlsplit(value)
+        if parts.scheme in ("http", "https") and parts.hostname:
+            return None
+    return f"must be an http:// or https:// URL, not {value!r}"
+
+
+def _service_problem(value: object) -> str | None:
+    return None if isinstance(value, str) and value.strip() else "must not be empty"
+
+
+@attrs.frozen
+class TracingConfig:
+    """node.yaml's ``tracing:`` (and the edge's ``--otel-*`` flags): a key left null
+    falls back to its standard OTEL_* variable, and with neither tracing is off
+    (``iop_trio.telemetry.resolve``). ``endpoint`` is the collector's base URL, as
+    OTEL_EXPORTER_OTLP_ENDPOINT (``/v1/traces`` is added unless it ends so);
+    ``sampler_arg`` is the ratio of the ratio samplers (ignored by the others)."""
+
+    exporter: TraceExporter | None = None
+    endpoint: str | None = attrs.field(default=None, validator=field_check(endpoint_problem))
+    service_name: str | None = attrs.field(default=None, validator=field_check(_service_problem))
+    sampler: TraceSampler | None = None
+    sampler_arg: float | None = attrs.field(default=None, validator=field_check(ratio_problem))
+
+
 @attrs.frozen
 class NodeConfig:
     node_id: str
@@ -303,6 +353,7 @@ class NodeConfig:
     tenants: dict[str, TenantConfig] = attrs.field(factory=dict)
     metrics: MetricsConfig = attrs.field(factory=MetricsConfig)
     logging: LoggingConfig = attrs.field(factory=LoggingConfig)
+    tracing: TracingConfig = attrs.field(factory=TracingConfig)
     source: str = "<config>"  # the file it came from, for messages
     #: what was ignored and should be said once (IOP_* variables that name no key)
     warnings: tuple[str, ...] = attrs.field(default=(), eq=False)
