@@ -18,8 +18,9 @@ from collections.abc import Mapping
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Span, Tracer, TracerProvider
+from opentelemetry.trace import Span, Status, StatusCode, Tracer, TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
 
 from . import __version__
 
@@ -127,3 +128,26 @@ def ids_of(span: Span) -> tuple[str, str] | None:
 def current_ids() -> tuple[str, str] | None:
     """:func:`ids_of` the current span (what the running task set as current)."""
     return ids_of(trace.get_current_span())
+
+
+def fail(span: Span, reason: str, message: str = "") -> None:
+    """Give ``span`` an error status described by ``reason`` (and ``message``), and the
+    reason as ``error.type`` (``error`` if it is empty)."""
+    span.set_status(Status(StatusCode.ERROR, f"{reason}: {message}" if message else reason))
+    if span.is_recording():
+        span.set_attribute(ERROR_TYPE, reason or "error")
+
+
+def usage_attributes(
+    prompt_tokens: int | None, completion_tokens: int | None, done_reason: str
+) -> dict[str, AttributeValue]:
+    """The GenAI usage and finish-reason attributes of a run's usage: what is known of
+    it (a count that is None, an empty reason, is left out)."""
+    found: dict[str, AttributeValue] = {}
+    if prompt_tokens is not None:
+        found[GEN_AI_USAGE_INPUT_TOKENS] = prompt_tokens
+    if completion_tokens is not None:
+        found[GEN_AI_USAGE_OUTPUT_TOKENS] = completion_tokens
+    if done_reason:
+        found[GEN_AI_RESPONSE_FINISH_REASONS] = (done_reason,)
+    return found

@@ -51,7 +51,7 @@ from ..protocol.errors import NodeGone as NodeGone
 from ..protocol.errors import NoNode as NoNode
 from ..protocol.errors import RateLimited as RateLimited
 from ..protocol.errors import TooLateToRelay, refusal_for
-from ..tracing import context_of, get_tracer, headers_of, parent
+from ..tracing import context_of, fail, get_tracer, headers_of, parent
 from ..transport.caller import ACK_TIMEOUT, RunnerClient, RunStream
 from ..transport.guard import ConnectionBounds, ConnectionGuard
 from ..transport.server import serve_proto, shared_token
@@ -65,7 +65,7 @@ from ..transport.session import (
     SessionSettings,
 )
 from .identities import Caller, Identities, NodeIdentity
-from .spans import carry, client_span, fail, relay_span
+from .spans import carry, client_span, relay_span
 
 log = logging.getLogger(__name__)
 

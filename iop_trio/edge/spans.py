@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 from opentelemetry import context as otel_context
 from opentelemetry.context import Context
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace import Span, SpanKind, Tracer
 from opentelemetry.util.types import AttributeValue
 
 from .. import tracing as t
@@ -37,13 +37,6 @@ TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
 HTTP_STATUS = "http.response.status_code"
 
 
-def fail(span: Span, reason: str, message: str = "") -> None:
-    """Give ``span`` an error status described by ``reason`` (and ``message``)."""
-    span.set_status(Status(StatusCode.ERROR, f"{reason}: {message}" if message else reason))
-    if span.is_recording():
-        span.set_attribute(t.ERROR_TYPE, reason or "error")
-
-
 def end_attributes(last: RunEvent | None) -> dict[str, AttributeValue]:
     """What a run's end says on an edge span: its usage, finish reason, reject reason."""
     found: dict[str, AttributeValue] = {}
@@ -52,12 +45,7 @@ def end_attributes(last: RunEvent | None) -> dict[str, AttributeValue]:
     found[t.IOP_STATUS] = last.kind.value
     usage = last.usage
     if usage is not None:
-        if usage.prompt_tokens is not None:
-            found[t.GEN_AI_USAGE_INPUT_TOKENS] = usage.prompt_tokens
-        if usage.completion_tokens is not None:
-            found[t.GEN_AI_USAGE_OUTPUT_TOKENS] = usage.completion_tokens
-        if usage.done_reason:
-            found[t.GEN_AI_RESPONSE_FINISH_REASONS] = (usage.done_reason,)
+        found |= t.usage_attributes(usage.prompt_tokens, usage.completion_tokens, usage.done_reason)
     if last.kind is EventKind.REJECTED:
         found[t.IOP_REJECT_REASON] = last.reason
     return found
@@ -119,7 +107,7 @@ class DoorSpan:
     def refused(self, code: str, status: int, message: str) -> None:
         """The request was answered with an error: HTTP ``status``, OpenAI's ``code``."""
         self.failed = True
-        fail(self.span, code, message)
+        t.fail(self.span, code, message)
         if self.span.is_recording():
             self.span.set_attribute(HTTP_STATUS, status)
 
@@ -147,7 +135,7 @@ def door_span(tracer: Tracer, scope_headers: Iterable[tuple[bytes, bytes]]) -> I
         yield door
     except BaseException as exc:
         if not door.failed:
-            fail(span, type(exc).__name__)
+            t.fail(span, type(exc).__name__)
         raise
     finally:
         otel_context.detach(token)

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 
 import attrs
 from opentelemetry import context as otel_context
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace import Span, SpanKind, Tracer
 from opentelemetry.util.types import AttributeValue
 
 from .. import tracing as t
@@ -42,23 +42,9 @@ MAX_TOKENS_OPTIONS = ("max_tokens", "num_predict")
 
 def usage_attributes(usage: Usage | None) -> dict[str, AttributeValue]:
     """The GenAI usage and finish-reason attributes of ``usage`` (what is known of it)."""
-    found: dict[str, AttributeValue] = {}
     if usage is None:
-        return found
-    if usage.prompt_tokens is not None:
-        found[t.GEN_AI_USAGE_INPUT_TOKENS] = usage.prompt_tokens
-    if usage.completion_tokens is not None:
-        found[t.GEN_AI_USAGE_OUTPUT_TOKENS] = usage.completion_tokens
-    if usage.done_reason:
-        found[t.GEN_AI_RESPONSE_FINISH_REASONS] = (usage.done_reason,)
-    return found
-
-
-def fail(span: Span, reason: str, message: str = "") -> None:
-    """Give ``span`` an error status described by ``reason`` (and ``message``)."""
-    span.set_status(Status(StatusCode.ERROR, f"{reason}: {message}" if message else reason))
-    if span.is_recording():
-        span.set_attribute(t.ERROR_TYPE, reason or "error")
+        return {}
+    return t.usage_attributes(usage.prompt_tokens, usage.completion_tokens, usage.done_reason)
 
 
 @attrs.define(eq=False, slots=True)
@@ -121,9 +107,9 @@ class RunSpans:
             if outcome is not None:
                 span.set_attributes(usage_attributes(outcome.usage))
         if outcome is None:
-            fail(span, "cancelled", "the run ended before its engine's stream did")
+            t.fail(span, "cancelled", "the run ended before its engine's stream did")
         elif outcome.status is not RunStatus.SUCCEEDED:
-            fail(span, outcome.reason, outcome.message)
+            t.fail(span, outcome.reason, outcome.message)
         span.end()
 
     def write_began(self) -> None:
@@ -152,7 +138,7 @@ class RunSpans:
         """The run ended with ``last`` (None: it was never stored): end every open span."""
         reason = "not_stored" if last is None else last.reason or last.kind.value
         if self.gate is not None:  # it never left the gate
-            fail(self.gate, reason)
+            t.fail(self.gate, reason)
             self.gate.end()
         self.engine_ended(None)
         self.write_ended()
@@ -160,7 +146,7 @@ class RunSpans:
         if span.is_recording():
             self._end_attributes(span, last, record)
         if last is None or last.kind.status is not RunStatus.SUCCEEDED:
-            fail(span, reason, "" if last is None else last.message)
+            t.fail(span, reason, "" if last is None else last.message)
         span.end()
 
     @staticmethod
