@@ -290,6 +290,20 @@ class HTTPAdapter(Adapter):
 
     probed = True
 
+    async def health_get(self, url: str, what: str) -> httpx.Response:
+        """GET ``url`` (not a run: a list, the metrics) within :data:`HEALTH_TIMEOUT`
+        seconds, whatever it answers; AdapterError ``timeout`` ("no ``what`` within"),
+        or as for a run's transport (``connection``...) if there is no answer."""
+        where = f"{self.kind} engine at {redact_url(url)}"
+        timeout = httpx.Timeout(HEALTH_TIMEOUT)
+        with trio.move_on_after(HEALTH_TIMEOUT * 2) as bounded:
+            try:
+                return await self.client.get(url, headers=self.request_headers(), timeout=timeout)
+            except httpx.HTTPError as exc:
+                raise transport_error(exc, where, timeout, streaming=False) from None
+        assert bounded.cancelled_caught
+        raise AdapterError("timeout", f"{where}: no {what} within {HEALTH_TIMEOUT}s")
+
     async def served_models(self) -> frozenset[str]:
         """GET :meth:`models_url` within :data:`HEALTH_TIMEOUT` seconds: the names served.
 
@@ -298,16 +312,7 @@ class HTTPAdapter(Adapter):
         """
         url = self.models_url()
         where = f"{self.kind} engine at {redact_url(url)}"
-        timeout = httpx.Timeout(HEALTH_TIMEOUT)
-        with trio.move_on_after(HEALTH_TIMEOUT * 2) as bounded:
-            try:
-                response = await self.client.get(
-                    url, headers=self.request_headers(), timeout=timeout
-                )
-            except httpx.HTTPError as exc:
-                raise transport_error(exc, where, timeout, streaming=False) from None
-        if bounded.cancelled_caught:
-            raise AdapterError("timeout", f"{where}: no list of models within {HEALTH_TIMEOUT}s")
+        response = await self.health_get(url, "list of models")
         if not response.is_success:
             raise AdapterError(
                 "engine_error", f"{where}: HTTP {response.status_code}: {quote(response.text)}"

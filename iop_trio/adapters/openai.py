@@ -38,7 +38,7 @@ import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..model import EngineSignals, Usage, estimate_prompt_tokens
+from ..model import EngineSignals, Usage, estimate_prompt_tokens, redact_url
 from ._http import HEALTH_TIMEOUT, EngineResponse, HTTPAdapter, HTTPSettings
 from .base import AdapterError, AdapterRequest, Chunk, Completion, Delta
 from .http_errors import json_error, parse_json, quote
@@ -263,17 +263,8 @@ class OpenAIAdapter(HTTPAdapter):
         """``GET <root>/metrics`` (vLLM's own, or ``llama-server --metrics``), read for
         :data:`ENGINE_METRICS`; None for a 404 or an exposition without them."""
         url = self.signals_url
-        where = f"{self.kind} engine at {url}"
-        timeout = httpx.Timeout(HEALTH_TIMEOUT)
-        with trio.move_on_after(HEALTH_TIMEOUT * 2) as bounded:
-            try:
-                response = await self.client.get(
-                    url, headers=self.request_headers(), timeout=timeout
-                )
-            except httpx.HTTPError as exc:
-                raise AdapterError("connection", f"{where}: {type(exc).__name__}: {exc}") from None
-        if bounded.cancelled_caught:
-            raise AdapterError("timeout", f"{where}: no metrics within {HEALTH_TIMEOUT}s")
+        where = f"{self.kind} engine at {redact_url(url)}"
+        response = await self.health_get(url, "metrics")
         if response.status_code in (404, 501):
             return None
         if not response.is_success:

@@ -439,15 +439,7 @@ class Gate:
         GateWithdrawn if :meth:`withdraw` takes it out of the queue. Always a checkpoint.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        ticket = self.scheduler.ticket(
-            borrower,
-            target,
-            priority=priority,
-            tenant=tenant,
-            cost=cost,
-            queue_timeout=queue_timeout,
-        )
-        refusal = self.scheduler.admit(ticket, trio.current_time())
+        ticket, refusal = self._admit(borrower, target, priority, tenant, cost, queue_timeout)
         if refusal is not None:
             await self._turn_away(refusal)
         if ticket.granted:
@@ -496,15 +488,7 @@ class Gate:
         order between runs is the same as for runs waiting in ``acquire``. RuntimeError,
         and the gate as it was, if the run would wait and :attr:`decide` is None.
         """
-        ticket = self.scheduler.ticket(
-            borrower,
-            target,
-            priority=priority,
-            tenant=tenant,
-            cost=cost,
-            queue_timeout=queue_timeout,
-        )
-        refusal = self.scheduler.admit(ticket, trio.current_time())
+        ticket, refusal = self._admit(borrower, target, priority, tenant, cost, queue_timeout)
         if refusal is not None:
             raise GateRejected.of(refusal)
         if ticket.granted:
@@ -560,6 +544,27 @@ class Gate:
             self._carry_out(granted)
             with trio.move_on_at(self.scheduler.wakeup(trio.current_time())):
                 await self._changed.park()
+
+    def _admit(
+        self,
+        borrower: object,
+        target: str,
+        priority: int,
+        tenant: str,
+        cost: int,
+        queue_timeout: float | None,
+    ) -> tuple[Ticket, Refusal | None]:
+        """A new ticket for ``borrower``'s run, admitted now: granted, waiting, or refused
+        (the Refusal); UnknownTarget for a target not registered."""
+        ticket = self.scheduler.ticket(
+            borrower,
+            target,
+            priority=priority,
+            tenant=tenant,
+            cost=cost,
+            queue_timeout=queue_timeout,
+        )
+        return ticket, self.scheduler.admit(ticket, trio.current_time())
 
     async def _turn_away(self, refusal: Refusal) -> NoReturn:
         await trio.lowlevel.cancel_shielded_checkpoint()
