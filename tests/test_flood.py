@@ -31,6 +31,8 @@ from iop_trio.runtime import EventKind, RunSpec
 from iop_trio.store.sqlite import SqliteStore
 from iop_trio.transport import RemoteError, ReplyTimeout, open_runner
 
+from .support import free_port
+
 pytestmark = pytest.mark.faults
 
 TOKEN = "flood-token"
@@ -139,14 +141,6 @@ async def test_ten_thousand_runs_are_accounted_for_by_client_metrics_and_store(t
 
 
 # --- the holes of issue 19: a handshake flood, and the default client's burst ---------------
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def log_file(path: Path) -> int:
