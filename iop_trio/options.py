@@ -125,3 +125,17 @@ def overlay(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
         else:
             merged[key] = value
     return merged
+
+
+def output_bound(params: Mapping[str, Any], names: Iterable[str]) -> int | None:
+    """The most tokens ``params`` let a run write: the value of the first of ``names``
+    (``outer.inner`` for a key inside a mapping) that is an int of at least 1; None if
+    none is (the run asks for no bound)."""
+    for name in names:
+        outer, _, inner = name.partition(".")
+        value = params.get(outer)
+        if inner:
+            value = value.get(inner) if isinstance(value, Mapping) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    return None

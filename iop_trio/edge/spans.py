@@ -30,7 +30,12 @@ from opentelemetry.util.types import AttributeValue
 
 from .. import tracing as t
 from ..model import EventKind, RunEvent, RunSpec
+from ..options import output_bound
 from ..protocol import pb
+
+#: The options the door sends a run's ``max_tokens`` as (front_door.OPTION_NAMES: an
+#: ollama target's is ``num_predict``).
+DOOR_OUTPUT_OPTIONS = ("max_tokens", "num_predict")
 
 #: The HTTP headers of the W3C trace context, as ASGI gives them (lower case).
 TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
@@ -64,11 +69,9 @@ def request_attributes(
     }
     if provider:
         found[t.GEN_AI_PROVIDER_NAME] = provider
-    for name in ("max_tokens", "num_predict"):
-        value = options.get(name)
-        if isinstance(value, int) and not isinstance(value, bool):
-            found[t.GEN_AI_REQUEST_MAX_TOKENS] = value
-            break
+    bound = output_bound(options, DOOR_OUTPUT_OPTIONS)
+    if bound is not None:
+        found[t.GEN_AI_REQUEST_MAX_TOKENS] = bound
     return found
 
 

@@ -344,9 +344,7 @@ class Node:
             run_ended=self.run_ended if self.auto else None,
             first_token=self.first_token if self.auto else None,
             chars_per_token=self.runtime.chars_per_token,
-            tracer=RunTracer(
-                self.tracer, self.node_id, {n: a.kind for n, a in self._adapters.items()}
-            ),
+            tracer=RunTracer(self.tracer, self.node_id, self._adapters),
         )
         for name, (auto, pool) in self.auto.items():
             learner = CapacityLearner(name, auto, pool, self.adapter_of_pool(name), self.gate)

@@ -14,6 +14,7 @@ import attrs
 
 from ..adapters.base import Adapter, AdapterError, AdapterRequest
 from ..model import MAX_OUTPUT_TOKENS, RunSpec, TargetSpec, estimate_prompt_tokens
+from ..options import output_bound
 from .gate import Gate
 
 log = logging.getLogger(__name__)
@@ -48,16 +49,7 @@ class Reservations:
             return spec, 0, None
         adapter = self._adapters[target.adapter]
         prompt, exact = await self._prompt_tokens(spec, target, adapter)
-        params = target.params_for(spec.options)
-        bound = None
-        for name in adapter.output_limit_options:
-            outer, _, inner = name.partition(".")
-            value = params.get(outer)
-            if inner:
-                value = value.get(inner) if isinstance(value, Mapping) else None
-            if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-                bound = value
-                break
+        bound = output_bound(target.params_for(spec.options), adapter.output_limit_options)
         if bound is None:
             bound = target.max_output_tokens or MAX_OUTPUT_TOKENS
             if adapter.output_limit_options:

@@ -32,12 +32,10 @@ from opentelemetry.trace import Span, SpanKind, Tracer
 from opentelemetry.util.types import AttributeValue
 
 from .. import tracing as t
-from ..adapters.base import AdapterRequest
+from ..adapters.base import Adapter, AdapterRequest
 from ..model import RunEvent, RunRecord, RunSpec, RunStatus, TargetSpec, Usage
+from ..options import output_bound
 from .live import Outcome
-
-#: The run options that are the most output tokens a run asks for, by adapter naming.
-MAX_TOKENS_OPTIONS = ("max_tokens", "num_predict")
 
 
 def usage_attributes(usage: Usage | None) -> dict[str, AttributeValue]:
@@ -164,14 +162,18 @@ class RunSpans:
 
 class RunTracer:
     """Starts each run's spans with ``tracer`` (None: tracing off, no spans at all) on
-    node ``node_id``, whose adapters' kinds (by name) are the runs' providers."""
+    node ``node_id``, whose adapters (by name) say the runs' providers (their kinds)
+    and which options bound their output."""
 
     def __init__(
-        self, tracer: Tracer | None, node_id: str = "", kinds: Mapping[str, str] | None = None
+        self,
+        tracer: Tracer | None,
+        node_id: str = "",
+        adapters: Mapping[str, Adapter] | None = None,
     ) -> None:
         self.tracer = tracer
         self.node_id = node_id
-        self.kinds = dict(kinds or {})
+        self.adapters = dict(adapters or {})
 
     def __repr__(self) -> str:
         return f"<RunTracer node={self.node_id!r} {'on' if self.tracer else 'off'}>"
@@ -192,12 +194,16 @@ class RunTracer:
             span.set_attributes(self._attributes(run_id, spec, target))
         return RunSpans(self.tracer, span)
 
+    def _provider(self, name: str) -> str:
+        adapter = self.adapters.get(name)
+        return name if adapter is None else adapter.kind
+
     def _attributes(
         self, run_id: str, spec: RunSpec, target: TargetSpec
     ) -> dict[str, AttributeValue]:
         found: dict[str, AttributeValue] = {
             t.GEN_AI_OPERATION_NAME: t.OPERATION_CHAT,
-            t.GEN_AI_PROVIDER_NAME: self.kinds.get(target.adapter, target.adapter),
+            t.GEN_AI_PROVIDER_NAME: self._provider(target.adapter),
             t.GEN_AI_REQUEST_MODEL: target.model,
             t.IOP_TARGET: spec.target,
             t.IOP_TENANT: spec.tenant,
@@ -205,12 +211,11 @@ class RunTracer:
             t.IOP_RUN_ID: run_id,
             t.IOP_NODE_ID: self.node_id,
         }
-        params = target.params_for(spec.options)
-        for name in MAX_TOKENS_OPTIONS:
-            value = params.get(name)
-            if isinstance(value, int) and not isinstance(value, bool):
-                found[t.GEN_AI_REQUEST_MAX_TOKENS] = value
-                break
+        adapter = self.adapters.get(target.adapter)
+        if adapter is not None:
+            bound = output_bound(target.params_for(spec.options), adapter.output_limit_options)
+            if bound is not None:
+                found[t.GEN_AI_REQUEST_MAX_TOKENS] = bound
         return found
 
 
