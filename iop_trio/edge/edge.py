@@ -274,6 +274,7 @@ class Edge:
             )
             await session.aclose(1008, "wrong node id for this token")
             return
+        session.peer_reads_batches = hello.batches  # an older node reads one a frame
         old = self.nodes.get(hello.node_id)
         if old is not None and old.session is session:
             # the same session says what it serves now (a target's engine came or went)
@@ -282,7 +283,7 @@ class Edge:
             await session.reply(
                 request.nonce,
                 "hello_ack",
-                pb.HelloAck(edge_id=self.edge_id, session_id=session.key),
+                pb.HelloAck(edge_id=self.edge_id, session_id=session.key, batches=True),
             )
             self._notify()
             return
@@ -294,7 +295,9 @@ class Edge:
         self.nodes[hello.node_id] = handle
         self._served |= handle.targets
         await session.reply(
-            request.nonce, "hello_ack", pb.HelloAck(edge_id=self.edge_id, session_id=session.key)
+            request.nonce,
+            "hello_ack",
+            pb.HelloAck(edge_id=self.edge_id, session_id=session.key, batches=True),
         )
         log.info(
             "edge: node %s v%s joined with targets %s",
@@ -591,7 +594,13 @@ class Edge:
                     if isinstance(reply, pb.RunAccepted):
                         run_id = reply.run_id
                         self._remember(run_id, handle.node_id)
-                        await session.reply(request.nonce, "run_accepted", reply)
+                        # with the events that came with it (a batch from the node)
+                        await session.reply_with_events(
+                            request.nonce,
+                            "run_accepted",
+                            reply,
+                            replies.ready(),  # type: ignore[arg-type]
+                        )
                         continue
                     # while the client is behind, events gather and deltas go merged
                     await session.reply_events(request.nonce, reply, replies.ready)  # type: ignore[arg-type]

@@ -3,6 +3,7 @@
 from .._gen.iop import runtime_pb2 as pb
 from .connection import (
     ANSWERS,
+    BATCH_SUBPROTOCOL,
     Incoming,
     PeerError,
     ProtocolError,
@@ -13,10 +14,13 @@ from .connection import (
     StaleReply,
     decode,
     encode,
+    pack_batch,
+    take_sendable,
 )
 
 __all__ = [
     "ANSWERS",
+    "BATCH_SUBPROTOCOL",
     "Incoming",
     "PeerError",
     "ProtoConnection",
@@ -27,5 +31,7 @@ __all__ = [
     "StaleReply",
     "decode",
     "encode",
+    "pack_batch",
     "pb",
+    "take_sendable",
 ]

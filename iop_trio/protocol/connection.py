@@ -18,6 +18,15 @@ not serve, or answers a request with the wrong body raises
 :class:`ProtocolError`; the connection stays usable and the shell answers
 with :meth:`ProtoConnection.error`.
 
+Batches: a frame may carry a ``Batch`` of envelopes, each what would otherwise
+have been a frame of its own (:meth:`ProtoConnection.receive_all` classifies them
+in order, a bad one as its ProtocolError in its place). What goes together is one
+rule, :func:`take_sendable`: the frames that are ready now, in order, up to a bound
+in bytes, and never a wait for more. A batch is made of the frames' bytes as they
+are (:func:`pack_batch`), never decoded and encoded again, and only for a peer that
+said it reads batches (``Hello.batches`` / ``HelloAck.batches`` on a node's link,
+:data:`BATCH_SUBPROTOCOL` on a client's); an older peer gets one envelope a frame.
+
 The table of pending requests is the only one: each entry keeps the
 ``waiter`` the shell gave :meth:`ProtoConnection.request` (whatever it
 delivers replies to), and every answer comes back with it.
@@ -26,7 +35,8 @@ delivers replies to), and every answer comes back with it.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Mapping, Sequence
 from typing import Generic, TypeVar
 
 import attrs
@@ -36,6 +46,14 @@ from .._gen.iop import runtime_pb2 as pb
 from .convert import TERMINAL_KINDS_PB, TERMINAL_STATUSES_PB
 
 MAX_NONCE = 2**64 - 1
+
+#: The WebSocket subprotocol a client offers, and a server accepts, to say that both
+#: read Batch frames (a client's link has no Hello to say it in).
+BATCH_SUBPROTOCOL = "iop.batches"
+#: The most bytes of frames one Batch holds (a frame larger than this goes alone).
+BATCH_BYTES = 64 * 1024
+#: The most bytes of frames taken to be written in one send.
+SEND_BYTES = 256 * 1024
 
 W = TypeVar("W")
 
@@ -182,6 +200,75 @@ def encode(envelope: pb.Envelope) -> bytes:
     return envelope.SerializeToString()
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+# Envelope.batch (field 26) and Batch.envelopes (field 1), both length-delimited
+_BATCH_FIELD = _varint(26 << 3 | 2)
+_ENVELOPES_FIELD = _varint(1 << 3 | 2)
+
+
+def _batch_entry(frame: bytes) -> bytes:
+    return _ENVELOPES_FIELD + _varint(len(frame)) + frame
+
+
+def pack_batch(frames: Sequence[bytes]) -> bytes:
+    """One frame holding ``frames`` (each an encoded Envelope) as a Batch, in order: their
+    bytes as they are, with a few bytes of framing each (the wire form of a repeated
+    message is its encoded entries), so nothing is decoded or encoded again."""
+    body = b"".join(map(_batch_entry, frames))
+    return _BATCH_FIELD + _varint(len(body)) + body
+
+
+def batch_overhead(frame: bytes) -> int:
+    """The bytes ``frame`` adds to a batch beyond its own."""
+    return len(_ENVELOPES_FIELD) + len(_varint(len(frame)))
+
+
+def take_sendable(
+    outbox: deque[bytes],
+    *,
+    batches: bool,
+    batch_bytes: int = BATCH_BYTES,
+    send_bytes: int = SEND_BYTES,
+) -> tuple[list[bytes], int]:
+    """The rule of what goes together: take the frames ready in ``outbox`` (oldest first,
+    at least one, then while the frames taken come to at most ``send_bytes``), to be
+    written in one send. Returns the messages to write, in order, and the bytes taken.
+
+    For a peer that reads ``batches``, neighbouring frames go in one Batch while it holds
+    at most ``batch_bytes`` (with its framing); a frame alone, or larger than that, goes
+    as itself. Nothing waits for frames that are not here: one ready frame is one
+    message, written at once.
+    """
+    taken: list[bytes] = [outbox.popleft()]
+    size = len(taken[0])
+    while outbox and size + len(outbox[0]) <= send_bytes:
+        frame = outbox.popleft()
+        taken.append(frame)
+        size += len(frame)
+    if not batches or len(taken) == 1:
+        return taken, size
+    messages: list[bytes] = []
+    group: list[bytes] = []
+    group_bytes = 0
+    for frame in taken:
+        cost = len(frame) + batch_overhead(frame)
+        if group and group_bytes + cost > batch_bytes:
+            messages.append(group[0] if len(group) == 1 else pack_batch(group))
+            group, group_bytes = [], 0
+        group.append(frame)
+        group_bytes += cost
+    messages.append(group[0] if len(group) == 1 else pack_batch(group))
+    return messages, size
+
+
 def decode(data: bytes | bytearray | str) -> pb.Envelope:
     """Parse one frame; ProtocolError(MALFORMED) if it is text, undecodable or has no body."""
     if isinstance(data, str):
@@ -277,10 +364,44 @@ class ProtoConnection(Generic[W]):
     # --- receiving -----------------------------------------------------------------------
 
     def receive(self, data: bytes | bytearray | str) -> Incoming[W]:
-        """Classify one incoming frame; raises ProtocolError for a bad one."""
-        envelope = decode(data)
+        """Classify one incoming frame of one envelope; raises ProtocolError for a bad
+        one, and for a Batch (:meth:`receive_all` reads those)."""
+        return self._classify(decode(data), len(data))
+
+    def receive_all(self, data: bytes | bytearray | str) -> list[Incoming[W] | ProtocolError]:
+        """Classify each envelope of one incoming frame, in order: a Batch's, else the
+        frame's one. A bad envelope is its ProtocolError, in its place, and the others
+        are classified as usual; a frame that cannot be decoded is one ProtocolError."""
+        try:
+            envelope = decode(data)
+        except ProtocolError as exc:
+            return [exc]
+        if envelope.WhichOneof("body") != "batch":
+            return [self._classify_or_error(envelope, len(data))]
+        return [self._classify_or_error(inner, 0) for inner in envelope.batch.envelopes]
+
+    def _classify_or_error(self, envelope: pb.Envelope, size: int) -> Incoming[W] | ProtocolError:
+        try:
+            return self._classify(envelope, size)
+        except ProtocolError as exc:
+            return exc
+
+    def _classify(self, envelope: pb.Envelope, size: int) -> Incoming[W]:
+        """Classify one envelope (``size``: its frame's bytes; 0 for one in a batch, whose
+        own size is then taken); raises ProtocolError for a bad one."""
         kind = envelope.WhichOneof("body")
-        assert kind is not None
+        if kind is None:
+            raise ProtocolError(
+                pb.ERROR_CODE_MALFORMED,
+                "envelope without a known body",
+                reply_to=envelope.nonce,
+            )
+        if kind == "batch":
+            raise ProtocolError(
+                pb.ERROR_CODE_MALFORMED,
+                "a batch where one envelope belongs (batches do not nest)",
+                reply_to=envelope.nonce,
+            )
         message: Message = getattr(envelope, kind)
         if envelope.reply_to == 0 and isinstance(message, pb.Error):
             return PeerError(message.code, message.message)
@@ -296,7 +417,7 @@ class ProtoConnection(Generic[W]):
             within = envelope.answer_within_s
             # a bound that is no number, or none, is no bound: the old peers send 0
             within = within if 0 < within < float("inf") else 0.0
-            return Request(envelope.nonce, kind, message, len(data), within)
+            return Request(envelope.nonce, kind, message, size or envelope.ByteSize(), within)
         return self._answer(envelope.reply_to, kind, message)
 
     def _answer(self, reply_to: int, kind: str, message: Message) -> Reply[W] | StaleReply:

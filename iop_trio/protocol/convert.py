@@ -292,7 +292,12 @@ def tenant_limits_from_pb(message: pb.TenantLimits) -> TenantLimits:
 
 
 def hello_from_info(info: NodeInfo) -> pb.Hello:
-    hello = pb.Hello(node_id=info.node_id, version=info.version, limits=limits_to_pb(info.limits))
+    hello = pb.Hello(
+        node_id=info.node_id,
+        version=info.version,
+        limits=limits_to_pb(info.limits),
+        batches=True,  # this node reads Batch frames
+    )
     for target in info.targets:
         hello.targets.append(
             pb.TargetInfo(

@@ -1,6 +1,8 @@
 """The Trio shell around the protocol.
 
 - :mod:`.session`: one proto-socket over one WebSocket (reader, writer, heartbeat, handlers);
+- :mod:`.replies`: the replies to one request of ours, as the caller reads them;
+- :mod:`.ws_send`: several WebSocket messages in one send;
 - :mod:`.server`: a WebSocket server routing paths to session handlers, with bearer auth;
 - :mod:`.auth`: the bearer-token header and its check;
 - :mod:`.node_link`: the node's link to the edge (dial, Hello, serve, reconnect);

@@ -15,7 +15,7 @@ import trio
 from google.protobuf.message import Message
 
 from ..model import LATEST_RUNS, RunEvent, RunQuery, RunSpec, TenantLimits
-from ..protocol import Role, pb
+from ..protocol import BATCH_SUBPROTOCOL, Role, pb
 from ..protocol.convert import (
     TERMINAL_STATUSES_PB,
     event_from_pb,
@@ -301,6 +301,7 @@ async def open_runner(
         ssl_context=ssl_context,
         max_message_size=settings.max_message_size,
         connect_timeout=connect_timeout,
+        subprotocols=(BATCH_SUBPROTOCOL,),  # it reads batches (an older edge accepts none)
     ) as ws:
         session = ProtoSession(ws, Role.CLIENT, settings=settings, name=url)
         async with trio.open_nursery() as nursery:

@@ -212,6 +212,7 @@ class NodeLink:
                     nursery.cancel_scope.cancel()
                     return None
                 assert isinstance(ack, pb.HelloAck)
+                session.peer_reads_batches = ack.batches  # an older edge reads one a frame
                 up_since = trio.current_time()
                 self.sessions += 1
                 self.session = session

@@ -24,7 +24,7 @@ from ..protocol.convert import (
     tenant_limits_from_pb,
 )
 from ..protocol.errors import TooLate, refusal_for
-from ..runtime import Node
+from ..runtime import Node, RunWatcher
 from ..store import StoreUnavailable
 from .session import ProtoSession
 
@@ -92,7 +92,10 @@ class RunService:
                 "waited; it was not made: retry later"
             ) from None
         record = submitted.record
-        await session.reply(
+        watcher = self.node.manager.watch(record.run_id)
+        # the events stored with the run (QUEUED, and STARTED for one that may start at
+        # once) go with the ack, in one frame
+        await session.reply_with_events(
             nonce,
             "run_accepted",
             pb.RunAccepted(
@@ -100,13 +103,13 @@ class RunService:
                 status=status_to_pb(record.status),
                 existing=submitted.existing,
             ),
+            map(event_to_pb, watcher.ready()),
         )
-        await self._stream(session, nonce, record.run_id, after_seq=0)
+        await self._stream(session, nonce, watcher)
 
-    async def _stream(self, session: ProtoSession, nonce: int, run_id: str, after_seq: int) -> None:
-        """Send the run's events from ``after_seq`` on; while the session is behind they
+    async def _stream(self, session: ProtoSession, nonce: int, watcher: RunWatcher) -> None:
+        """Send the run's events that ``watcher`` gives; while the session is behind they
         gather and go out merged (:meth:`ProtoSession.reply_events`)."""
-        watcher = self.node.manager.watch(run_id, after_seq=after_seq)
         async for event in watcher:
             await session.reply_events(
                 nonce, event_to_pb(event), lambda: map(event_to_pb, watcher.ready())
@@ -150,7 +153,7 @@ class RunService:
                 after = info.events[-1].seq
         await session.reply(nonce, "run_info", info)
         if message.follow and not record.status.terminal:
-            await self._stream(session, nonce, message.run_id, after_seq=after)
+            await self._stream(session, nonce, manager.watch(message.run_id, after_seq=after))
 
     async def _on_list_runs(self, session: ProtoSession, nonce: int, message: pb.ListRuns) -> None:
         query = query_from_pb(message)

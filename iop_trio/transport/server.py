@@ -24,6 +24,7 @@ from trio_websocket import (
 )
 from wsproto.utilities import LocalProtocolError
 
+from ..protocol import BATCH_SUBPROTOCOL
 from .auth import bearer_token
 from .guard import (
     REFUSAL,
@@ -168,7 +169,9 @@ async def _open(
             body=b"bad or missing bearer token\n",
         )
         return None
-    return await request.accept(), handler, who
+    # a peer that offers the batch subprotocol reads batches, and so does this side
+    offered = BATCH_SUBPROTOCOL in request.proposed_subprotocols
+    return await request.accept(subprotocol=BATCH_SUBPROTOCOL if offered else None), handler, who
 
 
 async def _handle(ws: WebSocketConnection, handler: ConnectionHandler, who: Any) -> None:

@@ -10,6 +10,11 @@ kinds of task, all ending with the session:
   any number of tasks may send, a cancelled sender never leaves half a
   frame on the wire, and a sender waits while more than ``send_buffer``
   bytes are unwritten (backpressure), in line: first come, first sent.
+  Each time it runs, the writer takes every frame that is ready (the rule
+  is :func:`~iop_trio.protocol.take_sendable`: in order, bounded in bytes,
+  never waiting for more) and writes them in one send; to a peer that reads
+  batches (:attr:`ProtoSession.peer_reads_batches`) neighbouring frames go
+  as one Batch frame.
   What the reader itself must answer (errors, pongs, UNAVAILABLE) is never
   dropped and never waits. A peer that does not read its replies is closed
   (1008) once a frame has waited ``send_timeout`` seconds to be written, or
@@ -47,7 +52,7 @@ import heapq
 import itertools
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager, suppress
 
 import attrs
@@ -55,7 +60,18 @@ import trio
 from google.protobuf.message import Message
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
-from ..protocol import ProtocolError, ProtoConnection, Reply, Request, Role, StaleReply, pb
+from ..protocol import (
+    BATCH_SUBPROTOCOL,
+    Incoming,
+    ProtocolError,
+    ProtoConnection,
+    Reply,
+    Request,
+    Role,
+    StaleReply,
+    pb,
+    take_sendable,
+)
 from ..protocol.convert import merge_deltas
 
 # the failures of an exchange, and a gatekeeper's answer, are the protocol's error table's
@@ -65,6 +81,9 @@ from ..protocol.errors import RemoteError as RemoteError
 from ..protocol.errors import ReplyTimeout as ReplyTimeout
 from ..protocol.errors import SessionClosed as SessionClosed
 from ..protocol.errors import TooLate as TooLate
+from .replies import STREAM_BUFFER as STREAM_BUFFER
+from .replies import ReplyStream as ReplyStream
+from .ws_send import send_messages
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +94,6 @@ RequestHandler = Callable[["ProtoSession", Request], Awaitable[None]]
 Gatekeeper = Callable[[Request], Refusal | None]
 
 DEFAULT_MAX_MESSAGE_SIZE = 4 * 1024 * 1024
-STREAM_BUFFER = 10_000
 #: The close code of a session whose peer does not read what it is sent (policy violation).
 CLOSE_NOT_READING = 1008
 _session_ids = itertools.count(1)
@@ -131,124 +149,6 @@ class _RequestClass:
         return request
 
 
-class ReplyStream:
-    """The replies to one request, in order; iterate, or ``await first()``.
-
-    Iteration ends after the final reply. An Error reply raises RemoteError;
-    the session ending early raises SessionClosed. The session's protocol
-    state ``conn`` keeps the stream as the waiter of its request's nonce, and
-    the session's reader gives it each reply (:meth:`deliver`).
-    """
-
-    def __init__(
-        self,
-        conn: ProtoConnection[ReplyStream],
-        kind: str,
-        message: Message,
-        *,
-        ack_timeout: float | None = None,
-        idle_timeout: float | None = None,
-        answer_within: float = 0.0,
-    ) -> None:
-        self._conn = conn
-        self.kind = kind
-        self.nonce, self.frame = conn.request(kind, message, self, answer_within=answer_within)
-        self._send, self._receive = trio.open_memory_channel[Reply[ReplyStream] | BaseException](
-            STREAM_BUFFER
-        )
-        self._done = False
-        self._answered = False
-        self._held: Reply[ReplyStream] | BaseException | None = None  # taken, not yet given
-        self.ack_timeout = ack_timeout
-        self.idle_timeout = idle_timeout
-
-    def __repr__(self) -> str:
-        return f"<ReplyStream nonce={self.nonce} done={self._done}>"
-
-    def deliver(self, item: Reply[ReplyStream] | BaseException) -> None:
-        """Hand the consumer a reply, or the exception its next ``__anext__`` raises; the
-        session's reader calls it, never waiting. A consumer that is
-        :data:`STREAM_BUFFER` replies behind is cut off (its stream ends with
-        SessionClosed) rather than stall the reader, and drops whatever comes after."""
-        try:
-            self._send.send_nowait(item)
-        except trio.WouldBlock:
-            # the consumer is far behind: end its stream rather than stall the reader
-            self._conn.forget(self.nonce)
-            self._send.close()
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            pass
-
-    def __aiter__(self) -> ReplyStream:
-        return self
-
-    async def __anext__(self) -> Message:
-        """The next reply. Raises ReplyTimeout if the first one takes more than
-        ``ack_timeout`` seconds, or a later one more than ``idle_timeout`` (None: no bound)."""
-        if self._done:
-            raise StopAsyncIteration
-        timeout = self.idle_timeout if self._answered else self.ack_timeout
-        try:
-            if self._held is not None:
-                item, self._held = self._held, None
-                await trio.lowlevel.checkpoint()
-            else:
-                with trio.fail_after(math.inf if timeout is None else timeout):
-                    item = await self._receive.receive()
-        except trio.TooSlowError:
-            self.close()
-            what = "went on with its replies to" if self._answered else "answered"
-            raise ReplyTimeout(
-                f"the peer has not {what} {self.kind} (nonce {self.nonce}) within {timeout:g}s"
-            ) from None
-        except trio.EndOfChannel:
-            self._done = True
-            raise SessionClosed(
-                f"reply stream {self.nonce} cut: the consumer fell {STREAM_BUFFER} replies behind"
-            ) from None
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        self._answered = True
-        if item.final:
-            self._done = True
-        if item.kind == "error":
-            assert isinstance(item.message, pb.Error)
-            error = item.message
-            raise RemoteError(error.code, error.message, error.retry_after_s or None)
-        return item.message
-
-    def ready(self, limit: int = 1024) -> list[Message]:
-        """The next replies that are here now, without waiting (at most ``limit``), up
-        to and including a final one. An error, or the stream's end, is not taken: the
-        next ``__anext__`` raises it, after the replies before it."""
-        taken: list[Message] = []
-        while not self._done and self._held is None and len(taken) < limit:
-            try:
-                item = self._receive.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel):
-                break
-            if isinstance(item, BaseException) or item.kind == "error":
-                self._held = item
-                break
-            self._answered = True
-            if item.final:
-                self._done = True
-            taken.append(item.message)
-        return taken
-
-    async def first(self) -> Message:
-        try:
-            return await self.__anext__()
-        except StopAsyncIteration:
-            raise SessionClosed("no reply") from None
-
-    def close(self) -> None:
-        """Stop listening; later replies are dropped."""
-        self._done = True
-        self._conn.forget(self.nonce)
-
-
 class ProtoSession:
     """See the module docstring. ``key`` identifies the session to the runtime."""
 
@@ -268,6 +168,11 @@ class ProtoSession:
         self.name = name or self.key
         self.settings = settings or SessionSettings()
         self._conn: ProtoConnection[ReplyStream] = ProtoConnection(role)
+        #: the peer reads Batch frames: it said so (the subprotocol it opened the
+        #: WebSocket with; on a node's link, its Hello or HelloAck sets this)
+        self.peer_reads_batches = ws.subprotocol == BATCH_SUBPROTOCOL
+        self.frames_sent = 0  # envelopes written
+        self.sends = 0  # writes to the socket (each one or more WebSocket messages)
         self._handler = handler
         # requests being handled and not yet answered: nonce -> its class
         self._unanswered: dict[int, _RequestClass] = {}
@@ -382,24 +287,25 @@ class ProtoSession:
                 return
             self.frames_received += 1
             self.heard_at = trio.current_time()
-            try:
-                incoming = self._conn.receive(data)
-            except ProtocolError as exc:
-                self.bad_frames += 1
-                log.warning("session %s: bad frame: %s", self.name, exc.message)
-                if isinstance(exc.waiter, ReplyStream):
-                    exc.waiter.deliver(RemoteError(exc.code, exc.message))
-                self._send_now(self._conn.error(exc.reply_to, exc.code, exc.message))
-                continue
-            if isinstance(incoming, Request):
-                self._admit(incoming)
-            elif isinstance(incoming, Reply):
-                if incoming.waiter is not None:
-                    incoming.waiter.deliver(incoming)
-            elif isinstance(incoming, StaleReply):
-                log.debug(
-                    "session %s: stale %s for %d", self.name, incoming.kind, incoming.reply_to
-                )
+            for incoming in self._conn.receive_all(data):
+                self._route(incoming)
+
+    def _route(self, incoming: Incoming[ReplyStream] | ProtocolError) -> None:
+        """Take one incoming envelope (of a frame, or of a batch): a reply to its waiter,
+        a request to :meth:`_admit`, a bad one to an Error reply."""
+        if isinstance(incoming, ProtocolError):
+            self.bad_frames += 1
+            log.warning("session %s: bad frame: %s", self.name, incoming.message)
+            if isinstance(incoming.waiter, ReplyStream):
+                incoming.waiter.deliver(RemoteError(incoming.code, incoming.message))
+            self._send_now(self._conn.error(incoming.reply_to, incoming.code, incoming.message))
+        elif isinstance(incoming, Request):
+            self._admit(incoming)
+        elif isinstance(incoming, Reply):
+            if incoming.waiter is not None:
+                incoming.waiter.deliver(incoming)
+        elif isinstance(incoming, StaleReply):
+            log.debug("session %s: stale %s for %d", self.name, incoming.kind, incoming.reply_to)
 
     # --- requests ------------------------------------------------------------------------
 
@@ -557,11 +463,15 @@ class ProtoSession:
                         flushed.set()
                     self._flushed.clear()
                     await self._writer_lot.park()
-                frame = self._outbox.popleft()
-                self._outbox_bytes -= len(frame)
-                self._make_room()
+                count = len(self._outbox)
+                messages, taken = take_sendable(self._outbox, batches=self.peer_reads_batches)
+                self._outbox_bytes -= taken
+                for _ in range(count - len(self._outbox)):
+                    self._make_room()  # one waiting sender a frame taken, as they came
+                self.frames_sent += count - len(self._outbox)
+                self.sends += 1
                 with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
-                    await self.ws.send_message(frame)
+                    await send_messages(self.ws, messages)
                 if scope.cancelled_caught:
                     await self._close_for_not_reading(
                         f"the peer does not read its replies: a frame waited {timeout:g}s "
@@ -627,11 +537,19 @@ class ProtoSession:
         Raises SessionClosed if the session is (or gets) closed, ValueError for a
         frame over ``max_message_size``. Cancelled while waiting, nothing is sent.
         """
-        if len(frame) > self.settings.max_message_size:
-            raise ValueError(
-                f"frame of {len(frame)} bytes exceeds max_message_size "
-                f"{self.settings.max_message_size}"
-            )
+        await self._send_frames((frame,))
+
+    async def _send_frames(self, frames: Sequence[bytes]) -> None:
+        """Queue ``frames`` for the writer, in order and together (one wait for room, one
+        checkpoint: the writer finds them all, so they go in one send); otherwise as
+        :meth:`_send`. A frame over ``max_message_size`` raises ValueError before any is
+        queued."""
+        for frame in frames:
+            if len(frame) > self.settings.max_message_size:
+                raise ValueError(
+                    f"frame of {len(frame)} bytes exceeds max_message_size "
+                    f"{self.settings.max_message_size}"
+                )
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._closed:
             raise SessionClosed(f"session {self.name} is closed")
@@ -642,7 +560,8 @@ class ProtoSession:
             await self._room_lot.park()
             if self._closed:
                 raise SessionClosed(f"session {self.name} is closed")
-        self._enqueue(frame)
+        for frame in frames:
+            self._enqueue(frame)
         self._make_room()
         await trio.lowlevel.cancel_shielded_checkpoint()
 
@@ -685,8 +604,25 @@ class ProtoSession:
         same text in the same order. ``ready`` is called only after the wait, so the
         events that came during it go too."""
         await self.wait_for_room()
-        for message in merge_deltas([first, *ready()]):
-            await self.reply(reply_to, "run_event", message)
+        conn = self._conn
+        await self._send_frames(
+            [conn.reply(reply_to, "run_event", m) for m in merge_deltas([first, *ready()])]
+        )
+        self._answered(reply_to)
+
+    async def reply_with_events(
+        self, reply_to: int, kind: str, message: Message, events: Iterable[pb.RunEvent]
+    ) -> None:
+        """Answer ``reply_to`` with ``message`` (a stream's first answer: RunAccepted,
+        RunInfo) and, in the same send, the run ``events`` that are here already,
+        neighbouring deltas merged: an ack and the QUEUED and STARTED stored with the run
+        go as one Batch frame to a peer that reads batches. Without waiting for room
+        first (an answer never waits behind a stream that is behind)."""
+        conn = self._conn
+        frames = [conn.reply(reply_to, kind, message)]
+        frames.extend(conn.reply(reply_to, "run_event", m) for m in merge_deltas(list(events)))
+        await self._send_frames(frames)
+        self._answered(reply_to)
 
     async def error(
         self, reply_to: int, code: int, message: str, *, retry_after: float | None = None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
 
@@ -44,10 +44,12 @@ async def open_websocket(
     ssl_context: ssl.SSLContext | None,
     max_message_size: int,
     connect_timeout: float,
+    subprotocols: Sequence[str] = (),
 ) -> AsyncIterator[WebSocketConnection]:
-    """The WebSocket at ``url``, with ``token`` as its bearer token. TLSFailed at once for
-    a ``wss:`` peer whose certificate is not trusted; OpeningTimeout if it is not open
-    within ``connect_timeout`` seconds (the bound is lifted once it is open)."""
+    """The WebSocket at ``url``, with ``token`` as its bearer token, offering
+    ``subprotocols``. TLSFailed at once for a ``wss:`` peer whose certificate is not
+    trusted; OpeningTimeout if it is not open within ``connect_timeout`` seconds (the
+    bound is lifted once it is open)."""
     with trio.move_on_after(connect_timeout):  # a bad certificate says so at once
         await check_tls(url, ssl_context)
     with trio.CancelScope(deadline=trio.current_time() + connect_timeout) as opening:
@@ -57,6 +59,7 @@ async def open_websocket(
             extra_headers=bearer_header(token),
             max_message_size=max_message_size,
             connect_timeout=connect_timeout,
+            subprotocols=subprotocols or None,
         ) as ws:
             opening.deadline = math.inf
             yield ws

@@ -74,7 +74,7 @@ ERROR_CODE_FORBIDDEN: ErrorCode
 ERROR_CODE_RATE_LIMITED: ErrorCode
 
 class Envelope(_message.Message):
-    __slots__ = ("nonce", "reply_to", "answer_within_s", "hello", "hello_ack", "run_request", "run_accepted", "run_event", "cancel_run", "cancel_result", "get_run", "run_info", "list_runs", "run_list", "set_limits", "error", "ping", "pong", "limits")
+    __slots__ = ("nonce", "reply_to", "answer_within_s", "hello", "hello_ack", "run_request", "run_accepted", "run_event", "cancel_run", "cancel_result", "get_run", "run_info", "list_runs", "run_list", "set_limits", "error", "ping", "pong", "limits", "batch")
     NONCE_FIELD_NUMBER: _ClassVar[int]
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
     ANSWER_WITHIN_S_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class Envelope(_message.Message):
     PING_FIELD_NUMBER: _ClassVar[int]
     PONG_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     nonce: int
     reply_to: int
     answer_within_s: float
@@ -113,7 +114,14 @@ class Envelope(_message.Message):
     ping: Ping
     pong: Pong
     limits: Limits
-    def __init__(self, nonce: _Optional[int] = ..., reply_to: _Optional[int] = ..., answer_within_s: _Optional[float] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., hello_ack: _Optional[_Union[HelloAck, _Mapping]] = ..., run_request: _Optional[_Union[RunRequest, _Mapping]] = ..., run_accepted: _Optional[_Union[RunAccepted, _Mapping]] = ..., run_event: _Optional[_Union[RunEvent, _Mapping]] = ..., cancel_run: _Optional[_Union[CancelRun, _Mapping]] = ..., cancel_result: _Optional[_Union[CancelResult, _Mapping]] = ..., get_run: _Optional[_Union[GetRun, _Mapping]] = ..., run_info: _Optional[_Union[RunInfo, _Mapping]] = ..., list_runs: _Optional[_Union[ListRuns, _Mapping]] = ..., run_list: _Optional[_Union[RunList, _Mapping]] = ..., set_limits: _Optional[_Union[SetLimits, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...
+    batch: Batch
+    def __init__(self, nonce: _Optional[int] = ..., reply_to: _Optional[int] = ..., answer_within_s: _Optional[float] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., hello_ack: _Optional[_Union[HelloAck, _Mapping]] = ..., run_request: _Optional[_Union[RunRequest, _Mapping]] = ..., run_accepted: _Optional[_Union[RunAccepted, _Mapping]] = ..., run_event: _Optional[_Union[RunEvent, _Mapping]] = ..., cancel_run: _Optional[_Union[CancelRun, _Mapping]] = ..., cancel_result: _Optional[_Union[CancelResult, _Mapping]] = ..., get_run: _Optional[_Union[GetRun, _Mapping]] = ..., run_info: _Optional[_Union[RunInfo, _Mapping]] = ..., list_runs: _Optional[_Union[ListRuns, _Mapping]] = ..., run_list: _Optional[_Union[RunList, _Mapping]] = ..., set_limits: _Optional[_Union[SetLimits, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
+
+class Batch(_message.Message):
+    __slots__ = ("envelopes",)
+    ENVELOPES_FIELD_NUMBER: _ClassVar[int]
+    envelopes: _containers.RepeatedCompositeFieldContainer[Envelope]
+    def __init__(self, envelopes: _Optional[_Iterable[_Union[Envelope, _Mapping]]] = ...) -> None: ...
 
 class Capabilities(_message.Message):
     __slots__ = ("max_concurrency", "streaming", "chat")
@@ -207,26 +215,30 @@ class Limits(_message.Message):
     def __init__(self, concurrency: _Optional[int] = ..., max_queued: _Optional[int] = ..., queue_timeout_s: _Optional[float] = ..., adapters: _Optional[_Mapping[str, int]] = ..., targets: _Optional[_Mapping[str, int]] = ..., tenants: _Optional[_Mapping[str, TenantLimits]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("node_id", "version", "targets", "adapters", "limits")
+    __slots__ = ("node_id", "version", "targets", "adapters", "limits", "batches")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     targets: _containers.RepeatedCompositeFieldContainer[TargetInfo]
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
     limits: Limits
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., targets: _Optional[_Iterable[_Union[TargetInfo, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...
+    batches: bool
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., targets: _Optional[_Iterable[_Union[TargetInfo, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., batches: _Optional[bool] = ...) -> None: ...
 
 class HelloAck(_message.Message):
-    __slots__ = ("edge_id", "session_id")
+    __slots__ = ("edge_id", "session_id", "batches")
     EDGE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
     edge_id: str
     session_id: str
-    def __init__(self, edge_id: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+    batches: bool
+    def __init__(self, edge_id: _Optional[str] = ..., session_id: _Optional[str] = ..., batches: _Optional[bool] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
