@@ -61,7 +61,9 @@ def test_a_batch_is_its_frames_bytes_and_reads_as_they_would_one_by_one():
     together = node.receive_all(batch)
     assert together == one_by_one
     assert [r.nonce for r in together if isinstance(r, Request)] == [1, 2, 3]
-    assert all(isinstance(r, Request) and r.size == len(f) for r, f in zip(together, frames))
+    assert all(
+        isinstance(r, Request) and r.size == len(f) for r, f in zip(together, frames, strict=True)
+    )
 
 
 def test_a_bad_envelope_in_a_batch_is_an_error_in_its_place_and_the_others_are_served():
@@ -188,7 +190,7 @@ async def test_several_messages_go_in_one_send_and_arrive_as_they_were():
         async with _echo_server() as (port, got):
             async with open_websocket_url(f"ws://127.0.0.1:{port}/") as ws:
                 writes: list[int] = []
-                stream = ws._stream  # noqa: SLF001  (count the writes the layer makes)
+                stream = ws._stream  # count the writes the layer makes
                 send_all = stream.send_all
 
                 async def counted(data: bytes) -> None:
