@@ -164,8 +164,10 @@ def test_what_goes_together_keeps_order_and_its_bounds(sizes, batches, batch_byt
 
 
 @asynccontextmanager
-async def _echo_server() -> AsyncIterator[tuple[int, list[bytes | str]]]:
+async def _echo_server(expected: int) -> AsyncIterator[tuple[int, list[bytes | str], trio.Event]]:
+    """A WebSocket server that keeps what it gets; its event is set at ``expected``."""
     got: list[bytes | str] = []
+    enough = trio.Event()
 
     async def handler(request) -> None:  # type: ignore[no-untyped-def]
         ws = await request.accept()
@@ -174,6 +176,8 @@ async def _echo_server() -> AsyncIterator[tuple[int, list[bytes | str]]]:
                 got.append(await ws.get_message())
             except ConnectionClosed:
                 return
+            if len(got) >= expected:
+                enough.set()
 
     async with trio.open_nursery() as nursery:
         server = await nursery.start(
@@ -181,13 +185,13 @@ async def _echo_server() -> AsyncIterator[tuple[int, list[bytes | str]]]:
                 handler, "127.0.0.1", 0, ssl_context=None, task_status=task_status
             )
         )
-        yield server.port, got
+        yield server.port, got, enough
         nursery.cancel_scope.cancel()
 
 
 async def test_several_messages_go_in_one_send_and_arrive_as_they_were():
     with trio.fail_after(10):
-        async with _echo_server() as (port, got):
+        async with _echo_server(5) as (port, got, enough):
             async with open_websocket_url(f"ws://127.0.0.1:{port}/") as ws:
                 writes: list[int] = []
                 stream = ws._stream  # count the writes the layer makes
@@ -202,8 +206,7 @@ async def test_several_messages_go_in_one_send_and_arrive_as_they_were():
                 await send_messages(ws, [])
                 await send_messages(ws, [b"four"])
                 await ws.send_message("text still works")
-                while len(got) < 5:
-                    await trio.sleep(0.01)
+                await enough.wait()
                 assert got == [b"one", b"", b"three" * 1000, b"four", "text still works"]
                 assert len(writes) == 3  # three messages, one write; then one; then one
             with pytest.raises(ConnectionClosed):
