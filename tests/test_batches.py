@@ -348,6 +348,7 @@ async def test_an_older_node_gets_one_envelope_a_frame_from_a_new_edge():
                 assert not handle.session.peer_reads_batches
                 agreed, frames = await _frames_of_runs(edge.client_url, offer=True, runs=6)
                 assert agreed == BATCH_SUBPROTOCOL
+                assert len(_unpacked(frames)) == 12  # each run: its ack and its end
                 requests = [f for f in got if decode(f).WhichOneof("body") == "run_request"]
                 assert len(requests) == 6 and not _has_batches(got)
             nursery.cancel_scope.cancel()
