@@ -137,6 +137,8 @@ class LiveRun:
     # window's size costs about 600 bytes), the window's deque once it grows
     events: list[RunEvent] | collections.deque[RunEvent] = attrs.field(factory=list)
     published: int = 0  # the seq of the last published event
+    # a delta the store has taken, published with the next event (see LiveRuns.hold)
+    held: RunEvent | None = None
     _changed: trio.Event | None = None
     # its open spans (runtime/spans.py); None when tracing is off
     spans: RunSpans | None = None
@@ -181,7 +183,14 @@ class LiveRun:
 
     def publish(self, event: RunEvent) -> None:
         """Publish ``event`` (stored already): into the window, to the watchers and the
-        listeners."""
+        listeners; a delta held (:meth:`LiveRuns.hold`) goes first, in the same step, so
+        a watcher takes both at once."""
+        if self.held is not None:
+            held, self.held = self.held, None
+            self._publish(held)
+        self._publish(event)
+
+    def _publish(self, event: RunEvent) -> None:
         self.events.append(event)
         if len(self.events) > SHORT_WINDOW and isinstance(self.events, list):
             self.events = collections.deque(self.events, maxlen=EVENT_WINDOW)
@@ -211,7 +220,10 @@ class LiveRun:
 
     def end(self) -> None:
         """Its end is published (or given up on): ENDED, its watchers are woken, and its
-        spans end with its last event."""
+        spans end with its last event. A delta still held is published first."""
+        if self.held is not None:
+            held, self.held = self.held, None
+            self._publish(held)
         self.move(RunPhase.ENDED)
         self._wake()
         if self.spans is not None:
@@ -360,6 +372,22 @@ class LiveRuns:
             # the store took the event before its first checkpoint, so it is
             # published even when the wait for durability was cancelled
             live.publish(event)
+
+    async def hold(self, live: LiveRun, event: RunEvent) -> None:
+        """Store the delta ``event`` as :meth:`write` does, but publish it with the run's
+        next event, in the same step: for the last delta of a run whose engine has said
+        it is done, so that its text and its end go out together (one frame, one send on
+        each hop) instead of the text alone and the end a commit later. The text waits
+        for no more than its end's commit, which its engine's end has begun. Where
+        :meth:`write` would wait (a STARTED still held, every SYNC_EVERY-th delta), it
+        writes it so, published at once."""
+        if live.starting is not None or live.unsynced >= SYNC_EVERY or live.held is not None:
+            await self.write(live, event)
+            return
+        live.unsynced += 1
+        self.store.append_nowait(event)
+        live.held = event
+        await trio.lowlevel.checkpoint()
 
     async def stored_events(
         self, run_id: str, *, after_seq: int, limit: int | None

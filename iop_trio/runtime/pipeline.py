@@ -247,7 +247,8 @@ class StreamRelay:
             else:
                 relayed.usage = chunk.usage
                 relayed.completed = True
-        await self._write_text(live, pending)
+        # text its engine's end came with goes out with the run's end (LiveRuns.hold)
+        await self._write_text(live, pending, last=relayed.completed)
         return None
 
     def _first_came(self, live: LiveRun, relayed: _Relayed) -> None:
@@ -270,11 +271,12 @@ class StreamRelay:
                 tpot = (trio.current_time() - first) / (made - 1)
         return Outcome(RunStatus.SUCCEEDED, usage=relayed.usage, ttft=ttft, tpot=tpot)
 
-    async def _write_text(self, live: LiveRun, pending: _Pending) -> None:
+    async def _write_text(self, live: LiveRun, pending: _Pending, *, last: bool = False) -> None:
         """Write the pending text as one delta event (none if it is empty), and count its
-        engine tokens as the run's."""
+        engine tokens as the run's; the ``last`` text, which came with its engine's end,
+        is held to be published with the run's end."""
         joined = "".join(pending.text)
         if joined:
             event = live.state.delta(joined, time=self.wall_clock(), tokens=pending.tokens)
             live.delta_tokens += pending.tokens
-            await self.runs.write(live, event)
+            await (self.runs.hold if last else self.runs.write)(live, event)
