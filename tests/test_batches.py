@@ -19,7 +19,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from trio_websocket import ConnectionClosed, open_websocket_url, serve_websocket
 
+from iop_trio.adapters.base import Adapter, AdapterRequest, Chunk, Completion, Delta, Usage
 from iop_trio.edge import Edge
+from iop_trio.model import EventKind, RunSpec, TargetSpec
 from iop_trio.protocol import (
     BATCH_SUBPROTOCOL,
     ProtocolError,
@@ -32,6 +34,8 @@ from iop_trio.protocol import (
     pb,
     take_sendable,
 )
+from iop_trio.runtime import Node
+from iop_trio.store.sqlite import SqliteStore
 from iop_trio.transport import NodeLink, open_runner
 from iop_trio.transport.auth import bearer_header
 from iop_trio.transport.ws_send import send_messages
@@ -352,3 +356,54 @@ async def test_an_older_node_gets_one_envelope_a_frame_from_a_new_edge():
                 requests = [f for f in got if decode(f).WhichOneof("body") == "run_request"]
                 assert len(requests) == 6 and not _has_batches(got)
             nursery.cancel_scope.cancel()
+
+
+# --- what is ready together: a run's last text and its end ---------------------------------
+
+
+class _EndsWithText(Adapter):
+    """Streams "first", then, when told, "last" and its end back to back, as an engine's
+    last read brings its last tokens and ``[DONE]`` together."""
+
+    kind = "ends-with-text"
+
+    def __init__(self) -> None:
+        super().__init__("scripted")
+        self.go = trio.Event()
+
+    @asynccontextmanager
+    async def open_stream(self, request: AdapterRequest) -> AsyncIterator[AsyncIterator[Chunk]]:
+        async def chunks() -> AsyncIterator[Chunk]:
+            yield Delta("first ")
+            await self.go.wait()
+            yield Delta("last")
+            yield Completion(Usage("stop"))
+
+        yield chunks()
+
+
+async def test_a_runs_last_text_goes_with_its_end_and_its_first_text_alone(tmp_path):
+    adapter = _EndsWithText()
+    node = Node(
+        node_id="n1",
+        adapters=[adapter],
+        targets=[TargetSpec("scripted", "a", concurrency=1)],
+        store=SqliteStore(str(tmp_path / "runs.db")),
+    )
+    with trio.fail_after(10):
+        async with node.running():
+            submitted = await node.manager.submit(RunSpec("scripted/a", "p"))
+            watcher = node.manager.watch(submitted.record.run_id)
+            assert [e.kind for e in watcher.ready()] == [EventKind.QUEUED, EventKind.STARTED]
+            # text that its engine's end did not come with is published at once, alone
+            first = await watcher.__anext__()
+            assert first.text == "first " and watcher.ready() == []
+            adapter.go.set()
+            # the last text waits for the run's end (a commit on a real SQLite file) and
+            # both are published in one step: a watcher takes them together
+            last = await watcher.__anext__()
+            assert last.text == "last"
+            (end,) = watcher.ready()
+            assert end.kind is EventKind.SUCCEEDED
+            stored = await node.store.events(submitted.record.run_id)
+            assert [e.text for e in stored if e.kind is EventKind.DELTA] == ["first ", "last"]
