@@ -1,6 +1,7 @@
 """The floor a process hop sets on this machine: what relaying adds before any work.
 
     python benchmarks/hops.py [--rounds 3000] [--hops 0,1,2] [--size 200] [--kinds tcp,ws,thread]
+                              [--gap-ms 0]
 
 One message of ``--size`` bytes at a time (C=1) goes from this process to an echo
 process and back, straight or through 1 or 2 relay processes on loopback. Each
@@ -22,7 +23,11 @@ the round trip from 0 to 2 relays is the least the edge and the node can add
 to a first token on this machine, whatever they do with it: the floor under
 ``benchmarks/relay.py``'s "added" first token. Each row prints p50 and p99 of
 the round trip and, beside the baseline with no relay measured in the same run,
-what the relays add (p50). Figures are printed, never asserted. Every process
+what the relays add (p50). ``--gap-ms G`` waits G ms between round trips, so that every
+process sleeps between messages, as each does between the tokens of a run at G ms a
+token: the floor of ``relay.py``'s 20 ms rows, where a process that has gone idle must be
+woken for each message (at 0, the default, the processes never sleep, as at 0 ms a
+token). Figures are printed, never asserted. Every process
 started here is ended by its pid; the whole run takes about 20 s.
 """
 
@@ -105,12 +110,14 @@ async def ws_serve(port: int, upstream: int | None) -> None:
 # --- the client ---------------------------------------------------------------------------------
 
 
-async def tcp_rounds(port: int, message: bytes, rounds: int) -> list[float]:
+async def tcp_rounds(port: int, message: bytes, rounds: int, gap: float = 0.0) -> list[float]:
     times: list[float] = []
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     stream.setsockopt(6, 1, 1)
     async with stream:
         for i in range(WARMUP + rounds):
+            if gap:
+                await trio.sleep(gap)
             began = time.perf_counter()
             with trio.fail_after(ROUND_TIMEOUT):
                 await stream.send_all(message)
@@ -125,10 +132,12 @@ async def tcp_rounds(port: int, message: bytes, rounds: int) -> list[float]:
     return times
 
 
-async def ws_rounds(port: int, message: bytes, rounds: int) -> list[float]:
+async def ws_rounds(port: int, message: bytes, rounds: int, gap: float = 0.0) -> list[float]:
     times: list[float] = []
     async with trio_websocket.open_websocket_url(f"ws://127.0.0.1:{port}/") as ws:
         for i in range(WARMUP + rounds):
+            if gap:
+                await trio.sleep(gap)
             began = time.perf_counter()
             with trio.fail_after(ROUND_TIMEOUT):
                 await ws.send_message(message)
@@ -181,7 +190,7 @@ def main(ns: argparse.Namespace) -> int:
     message = os.urandom(ns.size)
     print(
         f"\n{ns.size}-byte messages, one at a time, {ns.rounds} round trips a row "
-        f"(after {WARMUP} not counted)\n"
+        f"(after {WARMUP} not counted)" + (f", {ns.gap_ms:g} ms apart" if ns.gap_ms else "") + "\n"
     )
     print(f"{'kind':<7}{'relays':>7}{'p50 us':>10}{'p99 us':>10}{'added p50 us':>14}")
     with tempfile.TemporaryDirectory(prefix="iop-hops-") as tmp, processes() as start:
@@ -207,7 +216,7 @@ def main(ns: argparse.Namespace) -> int:
                 for proc in started:
                     proc.wait_for("listening")
                 rounds = tcp_rounds if kind == "tcp" else ws_rounds
-                times = trio.run(rounds, ports[-1], message, ns.rounds)
+                times = trio.run(rounds, ports[-1], message, ns.rounds, ns.gap_ms / 1000)
                 baseline = report(kind, hops, times, baseline)
                 for proc in started:
                     proc.popen.terminate()
@@ -240,6 +249,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--hops", type=numbers, default=[0, 1, 2])
     parser.add_argument("--size", type=int, default=200)
     parser.add_argument("--kinds", type=lambda t: t.split(","), default=["tcp", "ws", "thread"])
+    parser.add_argument("--gap-ms", type=float, default=0.0)
     parser.add_argument("--serve", choices=["tcp", "ws"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--upstream", type=int, help=argparse.SUPPRESS)

@@ -23,6 +23,7 @@ import httpx
 import trio
 
 from ..model import Capabilities, field_check, redact_url, seconds_problem
+from . import one_send
 from .base import Adapter, AdapterError, AdapterRequest, Chunk
 from .http_errors import json_error, parse_json, quote, status_error, transport_error
 from .stream_formats import MAX_LINE
@@ -233,7 +234,7 @@ class HTTPAdapter(Adapter):
                     timeout=self.timeout, limits=limits, trust_env=True
                 )
             else:
-                self._transport = httpx.AsyncHTTPTransport(limits=limits)
+                self._transport = one_send.install(httpx.AsyncHTTPTransport(limits=limits))
                 self._client = httpx.AsyncClient(
                     timeout=self.timeout, transport=self._transport, trust_env=False
                 )

@@ -137,7 +137,7 @@ class LiveRun:
     # window's size costs about 600 bytes), the window's deque once it grows
     events: list[RunEvent] | collections.deque[RunEvent] = attrs.field(factory=list)
     published: int = 0  # the seq of the last published event
-    # a delta the store has taken, published with the next event (see LiveRuns.hold)
+    # a delta made and not yet stored: stored and published with the next (LiveRuns.hold)
     held: RunEvent | None = None
     _changed: trio.Event | None = None
     # its open spans (runtime/spans.py); None when tracing is off
@@ -183,14 +183,7 @@ class LiveRun:
 
     def publish(self, event: RunEvent) -> None:
         """Publish ``event`` (stored already): into the window, to the watchers and the
-        listeners; a delta held (:meth:`LiveRuns.hold`) goes first, in the same step, so
-        a watcher takes both at once."""
-        if self.held is not None:
-            held, self.held = self.held, None
-            self._publish(held)
-        self._publish(event)
-
-    def _publish(self, event: RunEvent) -> None:
+        listeners."""
         self.events.append(event)
         if len(self.events) > SHORT_WINDOW and isinstance(self.events, list):
             self.events = collections.deque(self.events, maxlen=EVENT_WINDOW)
@@ -220,10 +213,7 @@ class LiveRun:
 
     def end(self) -> None:
         """Its end is published (or given up on): ENDED, its watchers are woken, and its
-        spans end with its last event. A delta still held is published first."""
-        if self.held is not None:
-            held, self.held = self.held, None
-            self._publish(held)
+        spans end with its last event."""
         self.move(RunPhase.ENDED)
         self._wake()
         if self.spans is not None:
@@ -333,7 +323,7 @@ class LiveRuns:
 
     async def write(self, live: LiveRun, event: RunEvent) -> None:
         """Store ``event``, then publish it (after a STARTED still held, once that one is
-        durable: see :meth:`start`).
+        durable: see :meth:`start`; after a delta held, stored with it: see :meth:`hold`).
 
         A delta is published as soon as the store has taken it; every
         :data:`SYNC_EVERY`-th delta, like every status event, waits until it is
@@ -351,11 +341,12 @@ class LiveRuns:
                 # seq is taken), so it is handed over too, in order, and both published;
                 # left out, its run's end would be refused for the gap
                 live.publish_start()
-                self.store.append_nowait(event)
-                live.publish(event)
+                for made in self._with_held(live, event):
+                    self.store.append_nowait(made)
+                    live.publish(made)
                 raise
             live.publish_start()
-        if event.kind is EventKind.DELTA and live.unsynced < SYNC_EVERY:
+        if event.kind is EventKind.DELTA and live.held is None and live.unsynced < SYNC_EVERY:
             live.unsynced += 1
             self.store.append_nowait(event)
             live.publish(event)
@@ -364,30 +355,48 @@ class LiveRuns:
         spans = live.spans if event.kind.terminal else None
         if spans is not None:
             spans.write_began()
+        events = self._with_held(live, event)
         try:
-            await self.store.append(event)
+            if len(events) == 1:
+                await self.store.append(event)
+            else:
+                await self.store.append_many(events)
         finally:
             if spans is not None:
                 spans.write_ended()
-            # the store took the event before its first checkpoint, so it is
+            # the store took the events before its first checkpoint, so they are
             # published even when the wait for durability was cancelled
-            live.publish(event)
+            for made in events:
+                live.publish(made)
 
-    async def hold(self, live: LiveRun, event: RunEvent) -> None:
-        """Store the delta ``event`` as :meth:`write` does, but publish it with the run's
-        next event, in the same step: for the last delta of a run whose engine has said
-        it is done, so that its text and its end go out together (one frame, one send on
-        each hop) instead of the text alone and the end a commit later. The text waits
-        for no more than its end's commit, which its engine's end has begun. Where
-        :meth:`write` would wait (a STARTED still held, every SYNC_EVERY-th delta), it
-        writes it so, published at once."""
-        if live.starting is not None or live.unsynced >= SYNC_EVERY or live.held is not None:
-            await self.write(live, event)
-            return
-        live.unsynced += 1
-        self.store.append_nowait(event)
+    @staticmethod
+    def _with_held(live: LiveRun, event: RunEvent) -> tuple[RunEvent, ...]:
+        """``event``, after the delta ``live`` holds (taken from it), if any."""
+        held, live.held = live.held, None
+        return (event,) if held is None else (held, event)
+
+    def hold(self, live: LiveRun, event: RunEvent) -> None:
+        """Keep the delta ``event`` for the run's next write, which stores both in one write
+        and publishes both in one step: for the last delta of a run whose engine has said
+        it is done, so that its text and its end take one commit, not two, and go out
+        together (one frame, one send on each hop) instead of the text alone and the end a
+        commit later. The text waits for no more than its end's commit, which its
+        engine's end has begun. It is neither stored nor published until then: a crash
+        in between loses text nobody was sent (the log stays a prefix of what was). A
+        delta held already is written first (:meth:`write`'s own way)."""
+        if live.held is not None:
+            held, live.held = live.held, None
+            self.store.append_nowait(held)
+            live.publish(held)
         live.held = event
-        await trio.lowlevel.checkpoint()
+
+    def release_held(self, live: LiveRun) -> None:
+        """Store and publish the delta ``live`` holds, if any, now: its end will not be
+        written (a run given up on without one)."""
+        if live.held is not None:
+            held, live.held = live.held, None
+            self.store.append_nowait(held)
+            live.publish(held)
 
     async def stored_events(
         self, run_id: str, *, after_seq: int, limit: int | None

@@ -562,6 +562,7 @@ class RunManager:
             log.exception("run %s: could not record final status %s", run_id, outcome.status)
         finally:
             if not live.ended:
+                self.runs.release_held(live)  # its end was not written: its text goes alone
                 live.end()
             self.runs.forget(run_id)
 

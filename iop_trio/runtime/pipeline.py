@@ -279,4 +279,7 @@ class StreamRelay:
         if joined:
             event = live.state.delta(joined, time=self.wall_clock(), tokens=pending.tokens)
             live.delta_tokens += pending.tokens
-            await (self.runs.hold if last else self.runs.write)(live, event)
+            if last:
+                self.runs.hold(live, event)
+            else:
+                await self.runs.write(live, event)
