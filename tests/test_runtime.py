@@ -510,7 +510,11 @@ async def test_a_run_the_store_refuses_is_not_acknowledged():
         with pytest.raises(OSError, match="disk full"):
             await node.manager.submit(RunSpec(A, "p"))
         assert node.manager.live_count() == 0
-        assert adapter.started == []
+        await trio.testing.wait_all_tasks_blocked()
+        # its engine was asked as its write went to the store (issue 23), and its stream
+        # was closed as the write failed: nothing of it is published or stored
+        assert len(adapter.started) == 1 and adapter.open_streams == []
+        assert await node.store.get(adapter.started[0]) is None
         # the permit it took to start at once is given back
         assert borrowed(node) == (0, 0, 0, 0)
 
@@ -562,8 +566,9 @@ async def test_runs_enter_the_gate_in_the_order_they_came_whatever_order_their_w
 @pytest.mark.parametrize("room", [False, True])
 async def test_a_run_cancelled_while_it_is_stored_never_starts(room):
     """Cancelled while its first write is made: without room it never waits in the gate,
-    with room (it took a permit and writes STARTED too) its engine is never called, and
-    the permit goes back. Either way it ends CANCELLED with the reason given."""
+    with room (it took a permit and writes STARTED too, and its engine is asked while
+    that write commits) its engine stream is closed, and the permit goes back. Either
+    way it ends CANCELLED with the reason given."""
     store = HeldCreates()
     node, adapter = make_node(store=store)
     async with node.running(), trio.open_nursery() as nursery:
@@ -583,7 +588,12 @@ async def test_a_run_cancelled_while_it_is_stored_never_starts(room):
         assert await kinds(node, "x") == expected
         record = await node.store.get("x")
         assert record is not None and record.reason == "changed my mind"
-        assert "x" not in adapter.started
+        if room:
+            # its engine was asked as its write went to the store (issue 23); the cancel
+            # closed its stream, and nothing it streamed was published or stored
+            assert adapter.started == ["x"] and adapter.open_streams == []
+        else:
+            assert "x" not in adapter.started
         if not room:
             adapter.script("busy").finish()
             await trio.testing.wait_all_tasks_blocked()
@@ -1009,6 +1019,9 @@ async def test_a_run_not_stored_within_its_create_timeout_is_refused_and_forgott
         assert trio.current_time() - start == pytest.approx(3.0)
         assert await node.store.get("r1") is None
         assert node.manager.live_count() == (0 if room else 1)
+        # with room its engine was asked meanwhile: that task gives the permit back as
+        # its stream closes
+        await trio.testing.wait_all_tasks_blocked()
         assert borrowed(node) == ((0, 0, 0, 0) if room else (1, 0, 1, 1))
         store.seconds = 0.0
         if not room:

@@ -340,11 +340,14 @@ class LiveRuns:
                 # cancelled: STARTED is taken by the store, and this event is made (its
                 # seq is taken), so it is handed over too, in order, and both published;
                 # left out, its run's end would be refused for the gap
-                live.publish_start()
-                for made in self._with_held(live, event):
-                    self.store.append_nowait(made)
-                    live.publish(made)
+                if not live.ended:
+                    live.publish_start()
+                    for made in self._with_held(live, event):
+                        self.store.append_nowait(made)
+                        live.publish(made)
                 raise
+            if live.ended:
+                return  # its create failed (RunManager._create): never stored, nothing goes
             live.publish_start()
         if event.kind is EventKind.DELTA and live.held is None and live.unsynced < SYNC_EVERY:
             live.unsynced += 1

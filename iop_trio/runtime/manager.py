@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import re
 import time
 import uuid
 from collections.abc import (
@@ -60,10 +59,7 @@ from ..model import (
     UnknownTarget,
     Usage,
     estimate_prompt_tokens,
-    prompt_bytes,
-    seconds_problem,
     settle_usage,
-    tenant_problem,
 )
 from ..store.base import RunStore, StoreError, StoreHealth, StoreUnavailable
 from .gate import Admitted, Expired, Gate, GateDecision, GateRejected, Permit
@@ -72,10 +68,10 @@ from .live import notify as notify  # runtime/node.py imports it from here
 from .pipeline import EngineAnswered, FirstToken, StreamRelay
 from .reservation import Reservations
 from .spans import NO_TRACER, RunTracer
+from .specs import PRIORITIES as PRIORITIES
+from .specs import check_prompt_size, check_run_id, check_spec
 
 log = logging.getLogger(__name__)
-
-_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 
 
 @attrs.frozen
@@ -112,27 +108,6 @@ def _rejected(rejected: GateRejected) -> Outcome:
     return Outcome(
         RunStatus.REJECTED, rejected.reason.value, str(rejected), retry_after=rejected.retry_after
     )
-
-
-#: The priorities a run may ask for.
-PRIORITIES = range(-1000, 1001)
-
-
-def check_spec(spec: RunSpec) -> None:
-    """InvalidRequest if the spec's tenant, priority or queue timeout cannot be."""
-    problem = tenant_problem(spec.tenant)
-    if problem is not None:
-        raise InvalidRequest(problem)
-    if isinstance(spec.priority, bool) or spec.priority not in PRIORITIES:
-        raise InvalidRequest(
-            f"priority must be an integer from -1000 to 1000, not {spec.priority!r}"
-        )
-    if spec.queue_timeout is not None:
-        problem = seconds_problem(spec.queue_timeout)
-        if problem is None and math.isinf(spec.queue_timeout):
-            problem = "must be finite (leave it out to wait as long as the target allows)"
-        if problem is not None:
-            raise InvalidRequest(f"queue_timeout {problem}")
 
 
 def _new_run_id() -> str:
@@ -251,19 +226,9 @@ class RunManager:
         check_spec(spec)
         # what the caller may set, capped; the run is stored with the options it runs with
         spec = attrs.evolve(spec, options=target.caller_options(spec.options))
-        if target.max_prompt_bytes is not None:
-            size = prompt_bytes(spec)
-            if size > target.max_prompt_bytes:
-                raise InvalidRequest(
-                    f"the prompt is {size} bytes, over the {target.max_prompt_bytes} "
-                    f"(max_prompt_bytes) that {spec.target} takes"
-                )
+        check_prompt_size(spec, target)
         if spec.run_id is not None:
-            if not _RUN_ID.fullmatch(spec.run_id):
-                raise InvalidRequest(
-                    "run_id must be 1-128 characters of A-Z a-z 0-9 _ . : - "
-                    "and start with a letter or digit"
-                )
+            check_run_id(spec.run_id)
             known = await self.get(spec.run_id)
             if known is not None:
                 return Submitted(known, existing=True)
@@ -312,8 +277,9 @@ class RunManager:
             )
             if permit is not None:
                 live.permit = permit
-                await self._create(live, queued, first, permit, bound, task_status)
-                await self._carry_on(live, target, spec, permit, started=True)
+                # its engine is asked while its QUEUED and STARTED commit (see _create)
+                engine = partial(self._carry_on, live, target, spec, permit, started=True)
+                await self._create(live, queued, first, permit, bound, task_status, engine)
                 return
         # the others enter the gate once stored QUEUED, in the order they came (see
         # _Entering); until they have, nobody takes a permit at once past them
@@ -382,16 +348,29 @@ class RunManager:
         permit: Permit | None,
         bound: float,
         task_status: trio.TaskStatus[RunRecord],
+        engine: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Store the new run QUEUED (and STARTED if it holds ``permit``) within ``bound``
         seconds, publish what was stored, and tell the submitter (``queued``, its record
         as of QUEUED). If the write fails, is cancelled or is given up on past ``bound``
         (StoreUnavailable; the store withdraws a write it is not committing), the run is
-        forgotten (ENDED, never stored) and its permit given back."""
+        forgotten (ENDED, never stored) and its permit given back.
+
+        ``engine`` (a run that holds ``permit``): what runs it, started in a task of its
+        own as the write is handed to the store, so its engine request goes out while
+        the write commits. Its events wait until STARTED is durable (``live.starting``),
+        so QUEUED is still durable before the submitter hears of the run and STARTED
+        before anyone sees a token; if the run is not stored, its engine stream is
+        closed at once (its scope cancelled), it writes and publishes nothing, and that
+        task gives its permit back."""
         then: tuple[RunEvent, ...] = ()
+        durable = trio.Event()
         try:
             if permit is not None:
                 then = (live.state.transition(RunStatus.RUNNING, time=self._now()),)
+            if engine is not None:
+                live.starting = (then[0], durable)
+                self._nursery.start_soon(engine)
             with trio.move_on_after(bound) as bounded:
                 try:
                     await self._store.create(queued, first, then=then)
@@ -402,14 +381,19 @@ class RunManager:
             if bounded.cancelled_caught:
                 raise self._not_stored(bound)
         except BaseException:
-            if permit is not None:
+            if engine is not None:
+                live.scope.cancel()  # its task ends, and gives its permit back
+            elif permit is not None:
                 permit.release()
             live.discard()
+            durable.set()  # what its engine's task waits on: it finds the run ENDED
             self.runs.forget(queued.run_id)
             raise
         for event in (first, *then):
             live.publish(event)
+        live.starting = None
         live.move(RunPhase.QUEUED if permit is None else RunPhase.RUNNING)
+        durable.set()
         task_status.started(queued)
 
     def _not_stored(self, bound: float) -> StoreUnavailable:
@@ -462,7 +446,8 @@ class RunManager:
                 if outcome is None:  # cancelled, or stopped otherwise
                     outcome = live.stopped()
                 # its tokens settle with what it used, the same count its end will carry
-                usage = self._settled(live, outcome.usage)
+                # (none for a run that was never stored: see _create)
+                usage = None if live.ended else self._settled(live, outcome.usage)
                 permit.settle(
                     None
                     if usage is None
