@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from iop_trio.lifecycle import RunState
 from iop_trio.metrics import NodeMetrics
@@ -317,7 +318,9 @@ async def test_a_run_created_while_the_disk_is_full_is_refused_after_store_grace
     """issue 19: a run created while the disk is full waited until space returned, its
     caller timed out not knowing its id, and the run was stored later. Now submit raises
     StoreUnavailable after store_grace, whether the run took a permit to start at once or
-    was to wait in the queue; nothing of it is stored, and its permit is given back."""
+    was to wait in the queue; nothing of it is stored, and its permit is given back (a
+    run with room had its engine asked while its write was tried: that stream is
+    closed)."""
     adapter = ScriptedAdapter()
     node = node_on(store, adapter)  # store_grace 0.5, two runs at a time
     health = HealthLog(store)
@@ -337,7 +340,11 @@ async def test_a_run_created_while_the_disk_is_full_is_refused_after_store_grace
                 await node.manager.submit(RunSpec("scripted/m", BIG, run_id="orphan"))
             bound.cancel_scope.cancel()
         disk.lift()
-        assert "orphan" not in adapter.started
+        await trio.testing.wait_all_tasks_blocked()
+        # with room, its engine was asked while its write was tried (issue 23): that
+        # stream is closed now, and nothing it streamed was stored or published
+        assert "orphan" not in adapter.open_streams
+        assert ("orphan" in adapter.started) is room
         assert "orphan" not in {r.run_id for r in node.manager.live_records()}
         assert node.gate.statistics().queued == 0
         if room:
