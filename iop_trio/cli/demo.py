@@ -146,13 +146,13 @@ def _write_banner(out: TextIO, handle: NodeHandle, ports: DemoPorts, folder: Pat
 
 
 async def _demo_run(edge: Edge, out: TextIO) -> None:
-    """One run through the edge, its text streamed to ``out``, then how it ended."""
+    """One run through the edge, then its text and how it ended, on one line written
+    whole (the node logs the run's end as its last text and its end go out together,
+    so a line written as the text streamed would have that log line in its middle)."""
     async with edge.run(RunSpec("echo/chat", "hello from the iop-trio demo")) as stream:
-        out.write("demo run: ")
-        async for event in stream:
-            out.write(event.text)
-            out.flush()
-    out.write(f"  [{stream.last.kind.value if stream.last else '?'}]\n\n")
+        text, last = await stream.collect()
+    out.write(f"demo run: {text}  [{last.kind.value}]\n\n")
+    out.flush()
 
 
 def _write_tries(out: TextIO, ports: DemoPorts, config_path: Path, token_file: Path) -> None:

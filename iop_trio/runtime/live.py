@@ -386,11 +386,8 @@ class LiveRuns:
         commit later. The text waits for no more than its end's commit, which its
         engine's end has begun. It is neither stored nor published until then: a crash
         in between loses text nobody was sent (the log stays a prefix of what was). A
-        delta held already is written first (:meth:`write`'s own way)."""
-        if live.held is not None:
-            held, live.held = live.held, None
-            self.store.append_nowait(held)
-            live.publish(held)
+        delta held already goes first, alone (:meth:`release_held`)."""
+        self.release_held(live)
         live.held = event
 
     def release_held(self, live: LiveRun) -> None:
