@@ -264,6 +264,9 @@ async def test_a_client_that_reads_batches_gets_them_and_an_older_one_one_envelo
         # the session with the node, both new, reads batches both ways
         assert s.handle.session.peer_reads_batches
         assert s.client.session is not None and s.client.session.peer_reads_batches
+        # the node wrote each ack with its QUEUED and STARTED: fewer sends than frames
+        node_side = s.client.session
+        assert node_side.sends < node_side.frames_sent, repr(node_side)
         # and the CLI's own client offers it
         async with open_runner(url, token=TOKEN) as runner:
             assert runner.session.peer_reads_batches

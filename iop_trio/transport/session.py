@@ -207,7 +207,9 @@ class ProtoSession:
             f"<ProtoSession {self.name} {self._conn.role.value} {state} "
             f"unanswered={len(self._unanswered)} "
             f"waiting={len(self._calls.waiting) + len(self._streams.waiting)} "
-            f"outbox={self._outbox_bytes}B pending={self._conn.pending}>"
+            f"outbox={self._outbox_bytes}B pending={self._conn.pending} "
+            f"batches={'yes' if self.peer_reads_batches else 'no'} "
+            f"frames/sends={self.frames_sent}/{self.sends}>"
         )
 
     @property
