@@ -1,4 +1,4 @@
-"""Test helpers: a scripted adapter whose runs end when the test says so."""
+"""Test helpers: a scripted adapter whose runs end when the test says so, and the like."""
 
 from __future__ import annotations
 
@@ -7,15 +7,17 @@ import math
 import os
 import stat
 import subprocess
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import attrs
+import httpcore
 import pytest
 import trio
 
+from iop_trio.adapters import one_send
 from iop_trio.adapters.base import (
     Adapter,
     AdapterError,
@@ -27,6 +29,7 @@ from iop_trio.adapters.base import (
     Usage,
 )
 from iop_trio.adapters.echo import EchoAdapter
+from iop_trio.adapters.openai import OpenAIAdapter
 from iop_trio.store import RunStore, StoreHealth
 
 
@@ -194,3 +197,62 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+# --- the sends of an HTTP adapter's requests (adapters/one_send.py) ---------------------
+
+
+class CountedStream(httpcore.AsyncNetworkStream):
+    """An httpcore stream that notes the size of each non-empty write (a send)."""
+
+    def __init__(self, stream: httpcore.AsyncNetworkStream, writes: list[int]) -> None:
+        self._stream, self._writes = stream, writes
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109 (httpcore's interface)
+        if buffer:  # httpcore's own streams skip an empty write (a body's end)
+            self._writes.append(len(buffer))
+        await self._stream.write(buffer, timeout)
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109 (httpcore's interface)
+        return await self._stream.read(max_bytes, timeout)
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+class CountingBackend(httpcore.AsyncNetworkBackend):
+    """Counts the writes of its streams: the sends a request costs."""
+
+    def __init__(self, backend: httpcore.AsyncNetworkBackend) -> None:
+        self._backend = backend
+        self.writes: list[int] = []
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,  # noqa: ASYNC109 (httpcore's interface)
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        stream = await self._backend.connect_tcp(host, port, timeout, local_address, socket_options)
+        return CountedStream(stream, self.writes)
+
+    async def sleep(self, seconds: float) -> None:
+        await self._backend.sleep(seconds)
+
+
+def count_sends(adapter: OpenAIAdapter) -> CountingBackend:
+    """Count the sends of ``adapter``'s own pool, under what it installed."""
+    adapter.client  # noqa: B018  (made on first use)
+    pool = adapter._transport._pool  # type: ignore[union-attr]
+    backend = pool._network_backend
+    if isinstance(backend, one_send.OneSendBackend):
+        counting = CountingBackend(backend._backend)
+        backend._backend = counting
+    else:
+        counting = pool._network_backend = CountingBackend(backend)
+    return counting

@@ -41,6 +41,8 @@ from iop_trio.runtime import (
 )
 from iop_trio.store.memory import MemoryStore
 
+from ..support import count_sends
+
 pytestmark = [
     pytest.mark.smoke,
     pytest.mark.skipif(
@@ -419,3 +421,23 @@ async def test_concurrency_auto_learns_from_the_real_engine(llama_server, tmp_pa
         assert components[f"capacity:target:{TARGET}"]["state"].startswith(
             f"learned from {expected}: "
         )
+
+
+async def test_each_engine_request_goes_in_one_send_and_the_real_engine_answers_it(
+    llama_server,
+):
+    """issue 23: the node writes a request's head and body in one send (adapters/one_send.py)
+    and the real server serves two runs so on one kept-alive connection."""
+    adapter = OpenAIAdapter(
+        "llama", OpenAISettings(base_url=llama_server, read_timeout=RUN_TIMEOUT)
+    )
+    sends = count_sends(adapter)
+    target = TargetSpec("llama", "gemma", params={"temperature": 0.0, "max_tokens": 8})
+    node = Node(node_id="smoke", adapters=[adapter], targets=[target], store=MemoryStore())
+    async with node.running():
+        for _ in range(2):
+            spec = RunSpec(TARGET, prompt="Say hello.")
+            record, events = await finish(node, (await node.manager.submit(spec)).record.run_id)
+            assert record.status is RunStatus.SUCCEEDED, record.message
+            assert text_of(events).strip()
+    assert len(sends.writes) == 2, sends.writes  # one a request

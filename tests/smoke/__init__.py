@@ -1,0 +1,1 @@
+"""Smoke tests against a real engine (tools/smoke.sh)."""
