@@ -21,8 +21,8 @@ carries one request at a time, written whole before its response is read):
 
 This is the one place the package reaches inside httpx: ``install`` puts the backend
 into the transport's httpcore pool (``AsyncHTTPTransport`` takes no backend of its
-own); ``tests/test_adapter_openai.py`` holds it to one write a request on a real
-server.
+own); ``tests/test_one_send.py`` holds it to one write a request on a real server,
+and ``make smoke`` on llama.cpp's.
 """
 
 # httpcore's stream and backend interfaces take a ``timeout`` argument

@@ -342,9 +342,9 @@ class LiveRuns:
                 # left out, its run's end would be refused for the gap
                 if not live.ended:
                     live.publish_start()
-                    for made in self._with_held(live, event):
-                        self.store.append_nowait(made)
-                        live.publish(made)
+                    self.release_held(live)
+                    self.store.append_nowait(event)
+                    live.publish(event)
                 raise
             if live.ended:
                 return  # its create failed (RunManager._create): never stored, nothing goes

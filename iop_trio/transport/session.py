@@ -465,12 +465,13 @@ class ProtoSession:
                         flushed.set()
                     self._flushed.clear()
                     await self._writer_lot.park()
-                count = len(self._outbox)
+                ready = len(self._outbox)
                 messages, taken = take_sendable(self._outbox, batches=self.peer_reads_batches)
                 self._outbox_bytes -= taken
-                for _ in range(count - len(self._outbox)):
+                frames = ready - len(self._outbox)
+                for _ in range(frames):
                     self._make_room()  # one waiting sender a frame taken, as they came
-                self.frames_sent += count - len(self._outbox)
+                self.frames_sent += frames
                 self.sends += 1
                 with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
                     await send_messages(self.ws, messages)
@@ -606,10 +607,7 @@ class ProtoSession:
         same text in the same order. ``ready`` is called only after the wait, so the
         events that came during it go too."""
         await self.wait_for_room()
-        conn = self._conn
-        await self._send_frames(
-            [conn.reply(reply_to, "run_event", m) for m in merge_deltas([first, *ready()])]
-        )
+        await self._send_frames(self._event_frames(reply_to, [first, *ready()]))
         self._answered(reply_to)
 
     async def reply_with_events(
@@ -620,11 +618,14 @@ class ProtoSession:
         neighbouring deltas merged: an ack and the QUEUED and STARTED stored with the run
         go as one Batch frame to a peer that reads batches. Without waiting for room
         first (an answer never waits behind a stream that is behind)."""
-        conn = self._conn
-        frames = [conn.reply(reply_to, kind, message)]
-        frames.extend(conn.reply(reply_to, "run_event", m) for m in merge_deltas(list(events)))
+        frames = [self._conn.reply(reply_to, kind, message)]
+        frames += self._event_frames(reply_to, events)
         await self._send_frames(frames)
         self._answered(reply_to)
+
+    def _event_frames(self, reply_to: int, events: Iterable[pb.RunEvent]) -> list[bytes]:
+        """The frames answering ``reply_to`` with ``events``, neighbouring deltas merged."""
+        return [self._conn.reply(reply_to, "run_event", m) for m in merge_deltas(events)]
 
     async def error(
         self, reply_to: int, code: int, message: str, *, retry_after: float | None = None
