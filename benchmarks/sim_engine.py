@@ -2,7 +2,9 @@
 
     python benchmarks/sim_engine.py [--host 127.0.0.1] [--port 0] [--model bench]
         [--kv-tokens 4096] [--max-model-len N] [--base-ms 80] [--per-seq-ms 1.6]
-        [--prefill-us 50] [--metrics vllm|llamacpp|none] [--exit-with-parent]
+        [--prefill-us 50] [--metrics vllm|llamacpp|none] [--max-batch N]
+        [--admit arrival|step] [--kv-mode reserve|paged] [--scrape-ms 0]
+        [--exit-with-parent]
 
 It prints ``sim engine listening on HOST:PORT`` once it serves. Standard library,
 trio and h11 only, so it runs beside any version of the node (``capacity.py --rev``).
@@ -20,6 +22,17 @@ on trio's MockClock) and :func:`serve` puts HTTP in front of it.
   finishing at the end of a step, or a client leaving), so a request that fits
   reserves at once and is never counted waiting; it joins the batch at the
   start of the next step (a running engine does not interrupt a step for it).
+  With ``admit="step"`` the check runs only at step boundaries, as vLLM's and
+  llama.cpp's schedulers do, so a request that arrives mid-step is counted
+  waiting until the step ends even when the cache has room.
+- *Paged KV* (``kv="paged"``, vLLM v1): a request is admitted when its prompt's
+  blocks (``BLOCK`` = 16 tokens) fit, and takes a block more as its tokens fill
+  one. When a step would need a block the cache has not, the request admitted
+  last is preempted: its blocks are freed and it goes back to the head of the
+  FIFO, to be prefilled again (recompute), its tokens so far kept. Its client
+  sees a pause, not an error.
+- *A batch cap* (``max_batch``, vLLM's ``max_num_seqs``, llama.cpp's slots):
+  at most that many requests run; the rest wait in the FIFO whatever the cache.
 - *A step loop.* Each step produces one token for every request in the batch
   as the step began, and takes ``base + per_seq * batch + prefill * P`` seconds,
   where P is the prompt tokens of the requests that joined the batch in that
@@ -56,11 +69,14 @@ on trio's MockClock) and :func:`serve` puts HTTP in front of it.
   "tokens"}``) and llama.cpp server's (``{"content"[, "with_pieces"]}`` ->
   ``{"tokens": [...]}``); ``GET /metrics`` in Prometheus' text format with
   vLLM's names (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
-  ``vllm:kv_cache_usage_perc`` 0..1 — the *reserved* share, which is what
-  admission checks — ``vllm:prompt_tokens_total`` counted at prefill,
+  ``vllm:kv_cache_usage_perc`` 0..1 — the reserved share in ``reserve`` mode,
+  which is what admission checks; the blocks in use in ``paged`` mode, as vLLM
+  counts it — ``vllm:prompt_tokens_total`` counted at prefill,
   ``vllm:generation_tokens_total``), or llama.cpp's (``llamacpp:requests_processing``,
   ``llamacpp:requests_deferred``, ``llamacpp:kv_cache_usage_ratio`` and its two
-  token counters), or none (404, as a server started without them).
+  token counters), or none (404, as a server started without them). With
+  ``scrape_ms`` the metrics answer that many ms late (an engine whose HTTP loop
+  is busy), the figures taken as the answer leaves.
 - *Exact counters for benchmarks*: ``GET /bench/stats`` and ``POST /bench/reset``
   (which answers the stats of the window it ends, then starts a new one, with no
   checkpoint in between): tokens generated and prompt tokens prefilled in the
@@ -71,9 +87,8 @@ on trio's MockClock) and :func:`serve` puts HTTP in front of it.
   less than a step catches up on the next one, so scheduling jitter does not
   change the rate; the time lost to longer stalls is ``lost_s``).
 
-**What it leaves out:** real KV paging (vLLM allocates blocks as tokens are
-made and preempts a request, to recompute it later, when the cache runs out;
-here the worst case is reserved up front and nothing is ever preempted),
+**What it leaves out:** swapping preempted blocks to CPU (a preempted request
+is always recomputed), vLLM's watermark of free blocks kept at admission,
 prefix caching, chunked prefill (a long prompt's prefill is one step, however
 long), speculative decoding, sampling and text (every token is ``" tok"``;
 ``temperature``, ``stop`` and the other sampling fields are accepted and ignored),
@@ -126,6 +141,9 @@ FIRST_TEXT_ID = 16
 MESSAGE_TOKENS = 4  # the template's tokens around a message's content
 GENERATION_PROMPT_TOKENS = 2  # the assistant's turn the engine answers in
 METRICS_KINDS = ("vllm", "llamacpp", "none")
+ADMIT_KINDS = ("arrival", "step")  # when a request that fits joins: at once, or at a step
+KV_KINDS = ("reserve", "paged")  # what a request holds: its worst case, or its blocks
+BLOCK = 16  # tokens of a cache block (paged)
 MAX_BODY = 64 * 1024 * 1024  # bytes of a request body, at most
 CREATED = 1_700_000_000  # the "created" of every completion (deterministic output)
 
@@ -212,6 +230,8 @@ class Request:
     state: str = WAITING
     generated: int = 0
     prefilled: bool = False
+    kv: int = 0  # cache tokens it holds now (its reservation, or its blocks)
+    preempted: int = 0
     finish_reason: str | None = None
     _lot: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)
 
@@ -265,6 +285,7 @@ class Window:
     kv_area: float = 0.0  # integral of kv_used / kv_tokens dt
     max_waiting: int = 0
     max_running: int = 0
+    preempted: int = 0
     lag_sum: float = 0.0
     lag_max: float = 0.0
     lost: float = 0.0
@@ -281,10 +302,20 @@ class Engine:
         kv_tokens: int = 4096,
         law: StepLaw | None = None,
         max_model_len: int | None = None,
+        max_batch: int | None = None,
+        admit: str = "arrival",
+        kv: str = "reserve",
     ) -> None:
         if kv_tokens < 1:
             raise ValueError(f"kv_tokens must be >= 1, not {kv_tokens}")
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, not {max_batch}")
+        if admit not in ADMIT_KINDS or kv not in KV_KINDS:
+            raise ValueError(f"admit must be one of {ADMIT_KINDS}, kv one of {KV_KINDS}")
         self.kv_tokens = kv_tokens
+        self.max_batch = max_batch
+        self.admit = admit
+        self.kv = kv
         self.max_model_len = min(max_model_len or kv_tokens, kv_tokens)
         self.law = law or StepLaw()
         self.waiting: deque[Request] = deque()
@@ -302,7 +333,8 @@ class Engine:
     def __repr__(self) -> str:
         return (
             f"<Engine running={len(self.running)} waiting={len(self.waiting)} "
-            f"kv={self.kv_used}/{self.kv_tokens} {self.law}>"
+            f"kv={self.kv_used}/{self.kv_tokens} ({self.kv}) batch<={self.max_batch} "
+            f"admit={self.admit} {self.law}>"
         )
 
     # --- what the HTTP side calls ---
@@ -345,7 +377,8 @@ class Engine:
             self.waiting.remove(seq)
         else:
             self.running.remove(seq)
-            self.kv_used -= seq.reserved
+            self.kv_used -= seq.kv
+            seq.kv = 0
         seq.state = GONE
         self.window.gone += 1
         seq._wake()
@@ -364,13 +397,16 @@ class Engine:
         task_status.started()
         clock: float | None = None  # when the last step ended by the law; None: idle since
         while True:
+            self._admit(at_step=True)
             if not self.running:
                 clock = None
                 self._work = trio.Event()
                 await self._work.wait()
+                continue
             batch = list(self.running)
             joining = [seq for seq in batch if not seq.prefilled]
-            prefill = sum(seq.prompt_tokens for seq in joining)
+            # a request preempted before recomputes its output too (vLLM's recompute)
+            prefill = sum(seq.prompt_tokens + seq.generated for seq in joining)
             for seq in joining:
                 seq.prefilled = True
             self.prompt_tokens_total += prefill
@@ -394,7 +430,7 @@ class Engine:
         self._integrate()
         self.window.steps += 1
         for seq in batch:
-            if seq.state != RUNNING:  # its client left during the step
+            if seq.state != RUNNING:  # its client left (or it was preempted) in the step
                 continue
             seq.generated += 1
             self.generation_tokens_total += 1
@@ -403,20 +439,61 @@ class Engine:
                 seq.state = FINISHED
                 seq.finish_reason = "length" if seq.generated >= seq.max_tokens else "stop"
                 self.running.remove(seq)
-                self.kv_used -= seq.reserved
+                self.kv_used -= seq.kv
+                seq.kv = 0
                 self.window.finished += 1
+            elif self.kv == "paged":
+                self._grow(seq)
             seq._wake()
         self._admit()
         self._note()
 
-    def _admit(self) -> None:
-        """Admit from the head of the FIFO while the head fits (head of line)."""
-        while self.waiting and self.waiting[0].reserved <= self.kv_tokens - self.kv_used:
-            seq = self.waiting.popleft()
-            seq.state = RUNNING
-            self.kv_used += seq.reserved
-            self.running.append(seq)
-        if self.running:
+    def _blocks(self, tokens: int) -> int:
+        """Cache tokens that ``tokens`` take in whole blocks."""
+        return -(-tokens // BLOCK) * BLOCK
+
+    def _grow(self, seq: Request) -> None:
+        """Paged: ``seq`` needs a block for its next token; with none free, the request
+        admitted last is preempted (back to the FIFO's head, its blocks freed, to be
+        recomputed), until ``seq`` fits or is itself the one preempted."""
+        need = self._blocks(seq.prompt_tokens + seq.generated + 1) - seq.kv
+        while need > self.kv_tokens - self.kv_used and seq.state == RUNNING:
+            victim = self.running[-1]
+            self.running.remove(victim)
+            self.kv_used -= victim.kv
+            victim.kv, victim.state, victim.prefilled = 0, WAITING, False
+            victim.preempted += 1
+            self.window.preempted += 1
+            self.waiting.appendleft(victim)
+        if seq.state == RUNNING:
+            seq.kv += need
+            self.kv_used += need
+
+    def _needs(self, seq: Request) -> int:
+        """Cache tokens ``seq`` takes at admission: its worst case (reserve), or the
+        blocks of what it has so far and its next token, plus a watermark (paged)."""
+        if self.kv == "reserve":
+            return seq.reserved
+        return self._blocks(seq.prompt_tokens + seq.generated + 1)
+
+    def _admit(self, *, at_step: bool = False) -> None:
+        """Admit from the head of the FIFO while the head fits (head of line) and the
+        batch is under its cap; with ``admit == "step"`` only at a step's start (else it
+        only wakes an idle loop)."""
+        if self.admit == "arrival" or at_step:
+            watermark = 0 if self.kv == "reserve" else self.kv_tokens // 100
+            while self.waiting and (self.max_batch is None or len(self.running) < self.max_batch):
+                seq = self.waiting[0]
+                needs = self._needs(seq)
+                free = self.kv_tokens - self.kv_used - (watermark if self.running else 0)
+                if needs > free:
+                    break
+                self.waiting.popleft()
+                seq.state = RUNNING
+                seq.kv = needs
+                self.kv_used += needs
+                self.running.append(seq)
+        if self.running or self.waiting:
             self._work.set()
 
     # --- accounting ---
@@ -453,6 +530,8 @@ class Engine:
             "finished": w.finished,
             "gone": w.gone,
             "refused": w.refused,
+            "preempted": w.preempted,
+            "generation_tokens_total": self.generation_tokens_total,
             "steps": w.steps,
             "mean_batch": w.tokens / w.steps if w.steps else math.nan,
             "mean_waiting": per(w.waiting_area),
@@ -675,12 +754,20 @@ async def send_json(stream: trio.SocketStream, conn: h11.Connection, status: int
 class Server:
     """The HTTP routes of the module docstring over ``engine``."""
 
-    def __init__(self, engine: Engine, *, model: str = "bench", metrics: str = "vllm") -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        model: str = "bench",
+        metrics: str = "vllm",
+        scrape_delay: float = 0.0,
+    ) -> None:
         if metrics not in METRICS_KINDS:
             raise ValueError(f"metrics must be one of {METRICS_KINDS}, not {metrics!r}")
         self.engine = engine
         self.model = model
         self.metrics = metrics
+        self.scrape_delay = scrape_delay  # seconds before /metrics answers
 
     def __repr__(self) -> str:
         return f"<Server model={self.model!r} metrics={self.metrics} {self.engine!r}>"
@@ -725,6 +812,8 @@ class Server:
             if path == "/v1/chat/completions":
                 await route()
                 return
+            if path == "/metrics" and self.scrape_delay > 0:
+                await trio.sleep(self.scrape_delay)  # a busy exporter: the state at the end
             result = route()
             if isinstance(result, str):
                 await send_whole(stream, conn, 200, result.encode(), "text/plain; version=0.0.4")
@@ -935,11 +1024,12 @@ async def serve(
     port: int = 0,
     model: str = "bench",
     metrics: str = "vllm",
+    scrape_delay: float = 0.0,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run ``engine``'s step loop and serve it on ``host:port`` (for ever); reports the
     port it listens on to ``nursery.start``."""
-    server = Server(engine, model=model, metrics=metrics)
+    server = Server(engine, model=model, metrics=metrics, scrape_delay=scrape_delay)
     listeners = await trio.open_tcp_listeners(port, host=host)
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
@@ -950,10 +1040,25 @@ async def serve(
 async def main(ns: argparse.Namespace) -> None:
     parent = os.getppid()
     law = StepLaw(ns.base_ms / 1e3, ns.per_seq_ms / 1e3, ns.prefill_us / 1e6)
-    engine = Engine(kv_tokens=ns.kv_tokens, law=law, max_model_len=ns.max_model_len)
+    engine = Engine(
+        kv_tokens=ns.kv_tokens,
+        law=law,
+        max_model_len=ns.max_model_len,
+        max_batch=ns.max_batch,
+        admit=ns.admit,
+        kv=ns.kv_mode,
+    )
     async with trio.open_nursery() as nursery:
         port = await nursery.start(
-            partial(serve, engine, host=ns.host, port=ns.port, model=ns.model, metrics=ns.metrics)
+            partial(
+                serve,
+                engine,
+                host=ns.host,
+                port=ns.port,
+                model=ns.model,
+                metrics=ns.metrics,
+                scrape_delay=ns.scrape_ms / 1e3,
+            )
         )
         print(f"sim engine listening on {ns.host}:{port} ({engine!r})", flush=True)
         while ns.exit_with_parent:
@@ -977,6 +1082,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--per-seq-ms", type=float, default=law.per_seq * 1e3)
     p.add_argument("--prefill-us", type=float, default=law.prefill * 1e6)
     p.add_argument("--metrics", choices=METRICS_KINDS, default="vllm")
+    p.add_argument("--max-batch", type=int, default=None, help="requests a step, at most")
+    p.add_argument(
+        "--admit",
+        choices=ADMIT_KINDS,
+        default="arrival",
+        help="a request joins at once or at a step",
+    )
+    p.add_argument(
+        "--kv-mode", choices=KV_KINDS, default="reserve", help="worst case reserved, or blocks"
+    )
+    p.add_argument("--scrape-ms", type=float, default=0.0, help="before /metrics answers")
     p.add_argument(
         "--exit-with-parent", action="store_true", help="exit when the parent process goes"
     )

@@ -20,76 +20,22 @@ its tokens/s, at most 1.0 request waiting inside the engine.
 
 from __future__ import annotations
 
-import importlib
-import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from iop_trio.adapters import Adapter, AdapterRequest, Chunk, Completion, Delta
 from iop_trio.metrics import NodeMetrics
-from iop_trio.model import AutoConcurrency, EngineSignals, RunSpec, TargetSpec, Usage
+from iop_trio.model import AutoConcurrency, RunSpec, TargetSpec
 from iop_trio.runtime import AdapterSlot, Node, RuntimeLimits
 from iop_trio.store.memory import MemoryStore
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-sim = importlib.import_module("sim_engine")
-capacity = importlib.import_module("capacity")
+from .zoo import SimEngineAdapter, capacity, sim
 
 CLIENTS = 48
 WARMUP = 10.0  # seconds of each phase not judged (mock clock)
 WINDOW = 30.0  # seconds judged
-
-
-class SimEngineAdapter(Adapter):
-    """The simulated engine's scheduler as an adapter (module docstring)."""
-
-    kind = "sim"
-    caller_options = frozenset({"max_tokens"})
-    output_limit_options = ("max_tokens",)
-
-    def __init__(self, engine: Any, *, metrics: bool) -> None:
-        super().__init__("sim")
-        self.engine = engine
-        self.metrics = metrics
-
-    @staticmethod
-    def _messages(request: AdapterRequest) -> list[tuple[str, str]]:
-        return list(request.messages) or [("user", request.prompt)]
-
-    @asynccontextmanager
-    async def open_stream(self, request: AdapterRequest) -> AsyncIterator[AsyncIterator[Chunk]]:
-        prompt = sim.chat_token_count(self._messages(request))
-        seq = self.engine.add(prompt, int(request.params["max_tokens"]))
-        try:
-            yield self._chunks(seq)
-        finally:
-            self.engine.leave(seq)
-
-    async def _chunks(self, seq: Any) -> AsyncIterator[Chunk]:
-        sent = 0
-        while not seq.done:
-            await seq.wait_beyond(sent)
-            for _ in range(seq.generated - sent):
-                yield Delta(sim.TOKEN_TEXT)
-            sent = seq.generated
-        yield Completion(Usage(seq.finish_reason or "length", seq.prompt_tokens, seq.generated))
-
-    async def count_tokens(self, request: AdapterRequest, tokenizer: str) -> int | None:
-        return int(sim.chat_token_count(self._messages(request)))
-
-    async def engine_signals(self, now: float) -> EngineSignals | None:
-        if not self.metrics:
-            return None
-        engine = self.engine
-        return EngineSignals(
-            len(engine.waiting), len(engine.running), engine.kv_used / engine.kv_tokens, now
-        )
 
 
 def sim_node(engine: Any, *, metrics: bool, **target: Any) -> Node:
