@@ -82,7 +82,11 @@ on trio's MockClock) and :func:`serve` puts HTTP in front of it.
   checkpoint in between): tokens generated and prompt tokens prefilled in the
   window, requests that arrived, finished, left and were refused, and the
   time averages of the requests waiting and running and of the cache reserved,
-  integrated over every change (not sampled), with their peaks; the steps, and
+  integrated over every change (not sampled), with their peaks, and of the requests
+  *queued* (``mean_queued``: those of the waiting that an admission check left
+  waiting, for want of cache or of a place in the batch, and the preempted; with
+  ``admit="step"`` a request that came mid-step and joins at the next step is
+  waiting, not queued); the steps, and
   how late the step loop woke against the law (``lag_*``; a loop that is late by
   less than a step catches up on the next one, so scheduling jitter does not
   change the rate; the time lost to longer stalls is ``lost_s``).
@@ -232,6 +236,7 @@ class Request:
     prefilled: bool = False
     kv: int = 0  # cache tokens it holds now (its reservation, or its blocks)
     preempted: int = 0
+    passed_over: bool = False  # left waiting by an admission check (queued for room)
     finish_reason: str | None = None
     _lot: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)
 
@@ -281,6 +286,7 @@ class Window:
     refused: int = 0
     steps: int = 0
     waiting_area: float = 0.0  # integral of len(waiting) dt
+    queued_area: float = 0.0  # integral of the waiting that an admission check passed over
     running_area: float = 0.0
     kv_area: float = 0.0  # integral of kv_used / kv_tokens dt
     max_waiting: int = 0
@@ -463,6 +469,7 @@ class Engine:
             self.kv_used -= victim.kv
             victim.kv, victim.state, victim.prefilled = 0, WAITING, False
             victim.preempted += 1
+            victim.passed_over = True
             self.window.preempted += 1
             self.waiting.appendleft(victim)
         if seq.state == RUNNING:
@@ -493,6 +500,8 @@ class Engine:
                 seq.kv = needs
                 self.kv_used += needs
                 self.running.append(seq)
+            for seq in self.waiting:
+                seq.passed_over = True
         if self.running or self.waiting:
             self._work.set()
 
@@ -505,6 +514,7 @@ class Engine:
         if dt > 0:
             w = self.window
             w.waiting_area += len(self.waiting) * dt
+            w.queued_area += sum(1 for seq in self.waiting if seq.passed_over) * dt
             w.running_area += len(self.running) * dt
             w.kv_area += self.kv_used / self.kv_tokens * dt
         self._last = now
@@ -535,6 +545,7 @@ class Engine:
             "steps": w.steps,
             "mean_batch": w.tokens / w.steps if w.steps else math.nan,
             "mean_waiting": per(w.waiting_area),
+            "mean_queued": per(w.queued_area),
             "mean_running": per(w.running_area),
             "mean_kv_usage": per(w.kv_area),
             "max_waiting": w.max_waiting,

@@ -1,65 +1,87 @@
 """Concurrency learned from the engine, sans I/O: what ``concurrency: auto`` does.
 
-An engine does not fill up on runs but on its KV cache, and no fixed number of runs
-fits a mixed load. A :class:`LearnedCapacity` holds, for one pool (an adapter's, or a
-target's), a learned **limit** (runs at once, within ``[minimum, maximum]`` and under
-every static cap, since those are other pools) and a learned **token budget** (the
-tokens the node's runs may reserve there at once: what the engine holds, as the node
-counts its runs' prompt and most output). It moves them from one of two signals, and
-says why it moved (:class:`Move`), so an operator can see it:
+An engine does not fill up on runs but on its KV cache or its batch, and no fixed number
+of runs fits every engine or a mixed load. A :class:`LearnedCapacity` holds, for one
+pool (an adapter's, or a target's), a learned **limit** (runs at once, within
+``[minimum, maximum]`` and under every static cap, since those are other pools) and a
+learned **token budget** (the tokens the node's runs may reserve there at once: what
+the engine holds, as the node counts its runs' prompt and most output). It moves them
+from one of two signals, and says why it moved (:class:`Move`).
 
-**The engine's own signals** (``signal = "engine"``), read from its metrics at a bounded
-interval (:class:`~iop_trio.model.EngineSignals`: vLLM's ``vllm:num_requests_waiting``
-and ``vllm:kv_cache_usage_perc``, llama.cpp's ``llamacpp:requests_deferred`` and
-``llamacpp:kv_cache_usage_ratio``):
+**No timing constant belongs to one engine.** Every pace is in units of the engine's
+own **step**, measured: the smoothed time per output token of the runs that succeeded
+(before any has, the shortest time to first token seen; before that
+:data:`FIRST_STEP`). The learner looks every :attr:`~LearnedCapacity.interval`
+(:data:`STEPS_A_LOOK` steps, within :data:`SHORTEST_LOOK` and :data:`LONGEST_LOOK`
+seconds); a run is *stalled* when it has heard nothing from the engine for
+:data:`TOLERANCE` steps (before its first token: that many times the baseline ratio of
+time to first token over the step, since a first token costs a prefill).
 
-- requests wait inside the engine: it has more than it takes. The limit drops to what
-  it runs, the budget to the share of the tokens in flight that those hold, and a
-  *ceiling* is kept there (``engine_waiting``);
-- none wait and the cache is in use: the budget is what the cache holds in all, as the
-  node's reservations count it (the tokens in flight over the cache's share in use),
-  times :data:`FILL`, under the ceiling; the limit grows while runs wait for it and the
-  cache has room (``engine_room``);
-- the scrape failed or is older than :data:`STALE_AFTER` intervals: that is *saturated*,
-  never free. Nothing more than runs now is let in (``stale``).
+**Growth is TCP's**: below the *mark* (the limit at which the engine last queued, as
+TCP's ``ssthresh``) the limit doubles each look while runs wait for it and the engine
+shows room (slow start); at or past it, it grows by 1, then 2, then 3... looks while
+nothing queues (additive, and faster the longer the engine has taken more, so an engine
+that grew is found in a few looks). A mark is forgotten after :data:`FORGET_AFTER`
+looks with no queue. A look taken before the last rise had a step to show (its scrape
+began earlier) grows nothing.
 
-**Latency** (``signal = "latency"``), for an engine that shows no signals: a run waited
-inside the engine when its time to first token (TTFT) is over :data:`TOLERANCE` times
-the baseline, in units of the recent time per output token (TPOT) of the runs that
-succeeded. That ratio does not grow with the batch (a larger batch slows both alike) but
-jumps when a request waits for others to end. It is read at each first token, and for
-runs still without one, every interval while they wait
-(:meth:`LearnedCapacity.on_waiting`): a slow start is seen in a step, not in a run's
-length. What each run saw at its grant (the runs and tokens in flight, itself
-included) says what was safe and what was too much:
+**The engine's own signals** (``signal = "engine"``), read from its metrics
+(:class:`~iop_trio.model.EngineSignals`: vLLM's ``vllm:num_requests_waiting`` and
+``vllm:kv_cache_usage_perc``, llama.cpp's ``llamacpp:requests_deferred`` and
+``llamacpp:kv_cache_usage_ratio``), read as they are meant:
+
+- *waiting* counts requests waiting for any reason, including one that came in the
+  middle of a step and joins at the next (vLLM and llama.cpp admit at step
+  boundaries), and one preempted. Only a wait the node sees too is a queue: the queue
+  is the engine's waiting, but at most the node's own stalled runs there. A queue
+  drops what binds to what the engine takes (the runs in flight less the queue):
+  the *batch*, when the cache has room for another run of the mean size (the limit,
+  and its mark), or the *cache* (the budget's ceiling: the share of the tokens in flight
+  that the runs taken hold, and its mark); with no KV figure, both
+  (``engine_waiting``);
+- *KV use* counts blocks in use (vLLM v1), not reservations: the cache holds
+  ``reserved / use`` tokens as the node counts them, which is the budget (times
+  :data:`FILL`) under the ceiling; while the cache has room (under :data:`HIGH_USE`)
+  and runs wait for tokens, the ceiling rises to what the cache holds at
+  :data:`HIGH_USE` (or doubles below its mark, with no KV figure) (``engine_room``);
+- a scrape that **fails** is *saturated*: nothing more than runs now is let in
+  (``stale``). A scrape that answers, however slowly, is fresh: an engine too busy to
+  answer quickly is busy, not full, and its figures are as of the answer. A slow scrape
+  only makes the looks further apart: the next begins
+  ``max(interval - its time, interval / 4)`` after it ends.
+
+**Latency** (``signal = "latency"``), for an engine that shows no signals: a run
+waited inside the engine when its time to first token (TTFT), in steps, is over
+:data:`TOLERANCE` times the baseline (a ratio that a larger batch does not move, but a
+wait in the engine's queue does; Gradient2's idea, on the step rather than the
+latency). It is read at each first token, and every look for runs still without one
+(:meth:`LearnedCapacity.on_waiting`). What each run saw at its grant (the runs and
+tokens in flight, itself included) says what was safe and what was too much:
 
 - a run that did not wait shows what was *safe*: the most runs and tokens seen in
   flight with no wait are kept, and the budget may be :data:`HEADROOM` times those
   tokens, under the ceiling (``latency_room``);
 - a run that waited came when too much was in flight. What explains it is lowered:
   the tokens, if more were in flight than ever safely (the ceiling drops to what was
-  in flight before it, and what it came on is kept as the *queued-at* mark), the runs,
-  if more ran than ever safely (the limit drops below the runs it came on), or both,
-  if neither: the engine has shrunk, and what was safe is forgotten down to it
+  in flight before it, and that is the token mark), the runs, if more ran than ever
+  safely (the limit drops below the runs it came on: the mark), or both, if neither:
+  the engine has shrunk, and what was safe is forgotten down to it
   (``latency_waited``). A run granted before the last drop, with more in flight than
   the new bounds, says nothing new and moves nothing;
-- every interval, runs waiting for a pool that is full grow what binds it
-  (:meth:`LearnedCapacity.on_tick`, ``latency_room``): the limit doubles until the
-  first wait, then grows by its square root; the budget takes one more waiting run
-  (the smallest), under the ceiling, and the ceiling rises by :data:`CEILING_RISE` a
-  probe, but not to the queued-at mark until :data:`FORGET_AFTER` seconds have passed
-  with no wait.
+- every look, runs waiting for a pool that is full grow what binds it
+  (:meth:`LearnedCapacity.on_tick`, ``latency_room``), as above: the limit and the
+  budget's ceiling double below their marks and then grow additively.
 
-Both start slow: the limit at ``minimum`` and the budget unbounded (the limit bounds
+Both start slow: the limit at :data:`INITIAL_LIMIT` and the budget unbounded (the limit bounds
 what is in flight until the first signals say more).
 
 Known pitfalls, and what is done about each: cancelled, failed and rejected runs give
-no TPOT (their times say nothing of the engine's pace); the baseline is a minimum that
+no step (their times say nothing of the engine's pace); the baseline is a minimum that
 only moves down, except that it is refreshed from runs that came when at most
 :attr:`~AutoConcurrency.minimum` runs were in flight, so sustained load cannot drag it
-up; a run is told to wait once; no increase comes within an interval of a drop, and
-the learner's interval has jitter, so nodes sharing an engine do not probe in step; a run over
-a learned budget on its own still starts in an empty pool (the scheduler's rule), so a
+up (Envoy's minimum-RTT refresh, without its pause); a run is told to wait once; the
+shell jitters its looks, so nodes sharing an engine do not probe in step; a run over a
+learned budget on its own still starts in an empty pool (the scheduler's rule), so a
 low budget never shuts a large run out.
 """
 
@@ -73,23 +95,28 @@ import attrs
 
 from ..model import AutoConcurrency, EngineSignals
 
-#: Scrape intervals after which an engine's last signals are stale (saturated).
-STALE_AFTER = 3
+#: The limit a learner starts at (within its bounds): slow start's initial window, as
+#: TCP's is 10 segments (RFC 6928), since any batching engine takes a few at once.
+INITIAL_LIMIT = 4
+#: Seconds a step is taken for until one is measured.
+FIRST_STEP = 0.125
+#: Steps between two looks at the engine, and the bounds of a look's interval (s).
+STEPS_A_LOOK = 2.0
+SHORTEST_LOOK = 0.05
+LONGEST_LOOK = 1.0
 #: The share of what the engine's cache holds that the learned budget fills.
 FILL = 1.0
-#: The cache's share in use over which the limit does not grow.
+#: The cache's share in use over which nothing grows.
 HIGH_USE = 0.9
-#: A run's TTFT/TPOT over this many times the baseline means it waited.
+#: Steps (times the baseline, before a first token) with nothing heard: a run stalled.
 TOLERANCE = 4.0
 #: How much more than the most tokens seen in flight safely the budget lets in (latency).
 HEADROOM = 1.25
-#: Seconds between two increases, at least (each with up to a quarter more, at random).
-PROBE_EVERY = 0.5
-#: What a ceiling rises by, a probe with no sign of waiting (1.02: 2 %).
-CEILING_RISE = 1.02
-#: Seconds with no wait after which a latency ceiling may rise past where runs queued.
-FORGET_AFTER = 30.0
-#: The weight of a new sample in the smoothed TPOT.
+#: Looks with no queue after which a mark is forgotten.
+FORGET_AFTER = 50
+#: Looks with no queue before the learner probes past a mark.
+PROBE_AFTER = 10
+#: The weight of a new sample in the smoothed step.
 SMOOTHING = 0.3
 
 
@@ -128,7 +155,6 @@ class LearnedCapacity:
         signal: str,
         now: float,
         counts_tokens: bool = True,
-        interval: float = 1.0,
         rng: random.Random | None = None,
     ) -> None:
         if signal not in ("engine", "latency"):
@@ -136,41 +162,104 @@ class LearnedCapacity:
         self.auto = auto
         self.signal = signal
         self.counts_tokens = counts_tokens
-        self.interval = interval
-        self.limit = auto.minimum  # a slow start: it grows while runs wait for it
+        self.limit = self._clamp(INITIAL_LIMIT)  # a slow start: it grows while runs wait
         self.budget = math.inf
         self.ceiling = math.inf  # tokens: the most known not to make the engine queue
+        self.run_mark = math.inf  # the limit at which the engine last queued
+        self.token_mark = math.inf  # the tokens in flight at which it last queued
         # latency: the most tokens and runs seen in flight with no run waiting
         self.safe = 0
         self.safe_runs = 0
-        self.queued_at = math.inf  # tokens in flight the lowest a run was seen to wait at
-        self.baseline: float | None = None  # the lowest TTFT/TPOT
+        self.baseline: float | None = None  # the lowest TTFT in steps
         self.tpot: float | None = None  # the smoothed time per output token of runs
-        self._first: float | None = None  # the first TTFT seen, the scale until a TPOT
-        self._waits = 0
-        self._dropped_at = -math.inf  # when a wait last lowered something
+        self.run_time = 0.0  # the smoothed seconds a run holds its permit
+        self._first: float | None = None  # the shortest TTFT seen, the step until a TPOT
         self._rng = rng or random.Random()
-        self._next_probe = now
+        self._queued_at = now  # when the engine last queued (or the start)
+        self._dropped_at = -math.inf  # when a queue or a wait last lowered something
+        self.risen_at = -math.inf  # when something last grew
+        self._streak = 0  # rises past the mark since the last queue
+        # the last rise of the limit not yet judged by the engine: the limit before it
+        # and the requests the engine ran then
+        self._probe: tuple[int, float] | None = None
         self.moves: collections.Counter[str] = collections.Counter()
         self.last: Move | None = None
 
     def __repr__(self) -> str:
         budget = "-" if self.budget == math.inf else f"{self.budget:.0f}"
+        mark = "-" if self.run_mark == math.inf else f"{self.run_mark:.0f}"
         return (
             f"<LearnedCapacity {self.signal} limit={self.limit} in "
-            f"[{self.auto.minimum}, {self.auto.maximum}] budget={budget}>"
+            f"[{self.auto.minimum}, {self.auto.maximum}] mark={mark} budget={budget} "
+            f"step={self.step * 1e3:.1f}ms>"
         )
+
+    # --- the engine's pace ---------------------------------------------------------------
+
+    @property
+    def step(self) -> float:
+        """Seconds of one engine step, as measured (module docstring)."""
+        if self.tpot is not None:
+            return self.tpot
+        return self._first if self._first is not None else FIRST_STEP
+
+    @property
+    def interval(self) -> float:
+        """Seconds between two looks at the engine: :data:`STEPS_A_LOOK` steps, bounded."""
+        return min(LONGEST_LOOK, max(SHORTEST_LOOK, STEPS_A_LOOK * self.step))
+
+    @property
+    def measured(self) -> bool:
+        """Whether a step has been measured (a first token seen)."""
+        return self._first is not None
+
+    def waited_past(self) -> float | None:
+        """Seconds past which a run with no first token waits inside the engine (None
+        until a first token has been seen)."""
+        if not self.measured or self.baseline is None:
+            return None
+        return TOLERANCE * max(self.baseline, 1.0) * self.step
+
+    def stalled_past(self) -> float | None:
+        """Seconds with nothing heard past which a run that has had tokens is stalled
+        (preempted, or its engine stuck); None until a step is measured."""
+        return TOLERANCE * self.step if self.measured else None
+
+    def on_run_end(self, tpot: float | None, took: float | None = None) -> None:
+        """A run succeeded, having held its permit ``took`` seconds: its time per output
+        token is a step of the engine."""
+        if took is not None and took > 0:
+            self.run_time = (1 - SMOOTHING) * self.run_time + SMOOTHING * took
+        if tpot is not None and tpot > 0:
+            self.tpot = (
+                tpot if self.tpot is None else (1 - SMOOTHING) * self.tpot + SMOOTHING * tpot
+            )
+
+    def _ratio(self, sample: RunSample) -> float | None:
+        """``sample``'s TTFT in steps, the baseline kept; None if there is no scale."""
+        self._first = sample.ttft if self._first is None else min(self._first, sample.ttft)
+        scale = self.step
+        if scale <= 0:
+            return None
+        ratio = sample.ttft / scale
+        if sample.in_flight <= self.auto.minimum or self.baseline is None:
+            # came alone: nothing it waited for was the node's doing; a fresh baseline
+            self.baseline = ratio if self.baseline is None else min(self.baseline * 1.5, ratio)
+        else:
+            self.baseline = min(self.baseline, ratio)
+        return ratio
+
+    # --- moving --------------------------------------------------------------------------
 
     def _clamp(self, limit: float) -> int:
         return int(min(self.auto.maximum, max(self.auto.minimum, limit)))
 
-    def _may_probe(self, now: float) -> bool:
-        if now < self._next_probe:
-            return False
-        self._next_probe = now + PROBE_EVERY * (1 + 0.25 * self._rng.random())
-        return True
-
-    def _moved(self, reason: str, limit: float, budget: float) -> Move | None:
+    def _moved(
+        self, reason: str, limit: float, budget: float, now: float, *, rise: bool = True
+    ) -> Move | None:
+        """Move to ``limit`` and ``budget`` (clamped, under the ceiling); a rise of either
+        (unless ``rise`` is false: a new estimate, not a probe) is the one the next waits
+        to see judged (:meth:`_may_rise`)."""
         limit = self._clamp(limit)
         if not self.counts_tokens:
             budget = math.inf
@@ -179,10 +268,61 @@ class LearnedCapacity:
             budget = max(1.0, math.floor(budget))
         if limit == self.limit and budget == self.budget:
             return None
+        if rise and (limit > self.limit or budget > self.budget):
+            self.risen_at = now
         self.limit, self.budget = limit, budget
         self.moves[reason] += 1
         self.last = Move(reason, limit, budget)
         return self.last
+
+    def _may_rise(self, now: float, unjudged: int) -> bool:
+        """Whether to grow now: the last rise was judged (every run granted since has
+        had its first token, or was found stalled: TCP grows once a round trip) and a
+        step has passed since it."""
+        return unjudged == 0 and now - self.risen_at >= self.step
+
+    def _probing(self, now: float) -> bool:
+        """Whether a rise past a mark may come: :data:`PROBE_AFTER` looks with no queue,
+        and a run's time (a failed probe's run waits about that long for a place)."""
+        return now - self._queued_at >= max(PROBE_AFTER * self.interval, self.run_time)
+
+    def _grown_limit(self, now: float) -> float:
+        """The limit one rise makes: doubled below the mark, then +1, +2, ... (once
+        :meth:`_probing`)."""
+        if self.limit * 2 <= self.run_mark:
+            return self.limit * 2
+        if self.limit < self.run_mark:
+            return self.run_mark
+        if not self._probing(now):
+            return self.limit
+        self._streak += 1
+        return self.limit + self._streak
+
+    def _grown_ceiling(self, now: float, by: float, estimate: float = math.inf) -> None:
+        """A rise of the ceiling: to ``estimate`` (what the cache holds at
+        :data:`HIGH_USE`), else doubled, up to its mark; past the mark by ``by`` (once
+        :meth:`_probing`)."""
+        if self.ceiling == math.inf:
+            return
+        if self.ceiling < self.token_mark:
+            rise = estimate if estimate != math.inf else self.ceiling * 2
+            self.ceiling = max(self.ceiling, min(rise, self.token_mark))
+        elif self._probing(now):
+            rise = self.ceiling + by
+            if estimate != math.inf:
+                rise = max(rise, min(estimate, self.ceiling * 2))
+            self.ceiling = rise
+
+    def _forget(self, now: float) -> None:
+        """Marks older than :data:`FORGET_AFTER` looks with no queue: the engine may have
+        grown (another load, a restart), so slow start may pass them again."""
+        if now - self._queued_at > FORGET_AFTER * self.interval:
+            self.run_mark = self.token_mark = math.inf
+            self._queued_at = now
+
+    def _queued(self, now: float) -> None:
+        self._queued_at = self._dropped_at = now
+        self._streak = 0
 
     # --- the engine's own signals --------------------------------------------------------
 
@@ -194,61 +334,114 @@ class LearnedCapacity:
         running: int,
         reserved: int,
         queued: int,
+        stalled: int | None = None,
+        unjudged: int = 0,
     ) -> Move | None:
-        """A scrape of the engine (None: it failed) at ``now``, with the pool's runs and
-        tokens in flight and the runs that wait for it. Returns the move, if any."""
-        if signals is None or now - signals.at > STALE_AFTER * self.interval:
+        """A scrape of the engine (None: it failed) that began at ``signals.at`` and
+        answered at ``now``, with the pool's runs and tokens in flight, the runs that
+        wait for it, its runs stalled in the engine (None: not known, so the engine's
+        waiting is taken as it is) and its runs granted since the last rise that have
+        had no first token and are not stalled. Returns the move, if any."""
+        if signals is None:
             # saturated: let nothing more in than runs now
             budget = reserved if self.counts_tokens and reserved else self.budget
-            return self._moved("stale", min(self.limit, running), min(self.budget, budget))
-        if signals.waiting > 0:
-            taken = max(0.0, running - signals.waiting)
-            if signals.running is not None:
-                taken = min(taken, signals.running)
-            if self.counts_tokens and reserved and running:
-                self.ceiling = max(1.0, reserved * taken / running)
-            return self._moved("engine_waiting", min(self.limit, max(1.0, taken)), self.ceiling)
-        if self.ceiling != math.inf and self._may_probe(now):
-            self.ceiling *= CEILING_RISE
-        budget = self.budget
+            return self._moved("stale", min(self.limit, running), min(self.budget, budget), now)
+        queue = signals.waiting if stalled is None else min(signals.waiting, stalled)
+        if queue > 0:
+            return self._engine_queued(signals, now, queue, running, reserved)
+        self._forget(now)
         use = signals.kv_usage
-        if use is not None and use > 0 and reserved > 0:
-            budget = reserved / use * FILL
-        limit: float = self.limit
         room = use is None or use < HIGH_USE
-        if queued and running >= self.limit and room and self._may_probe(now):
-            limit = max(self.limit + 1, math.ceil(self.limit * 1.5))
-        return self._moved("engine_room", limit, budget)
+        budget = self.budget
+        # the tokens of the runs the engine took (those it says wait hold no cache)
+        held = reserved * max(0.0, running - signals.waiting) / running if running else 0
+        if use is not None and use > 0 and held > 0:
+            budget = held / use * FILL
+        fresh = signals.at >= self.risen_at + self.step
+        if fresh and self._failed_probe(signals, unjudged):
+            assert self._probe is not None
+            self.run_mark = limit = self._probe[0]
+            self._probe = None
+            self._queued(now)
+            return self._moved("engine_waiting", limit, budget, now)
+        if not (room and fresh and queued and self._may_rise(now, unjudged)):
+            return self._moved("engine_room", self.limit, budget, now, rise=False)
+        return self._engine_rise(signals, now, running, reserved, held, budget)
+
+    def _failed_probe(self, signals: EngineSignals, unjudged: int) -> bool:
+        """Whether the engine, at no look since the last rise of the limit, ran more
+        requests than before it, and now, with the runs of the rise all heard from,
+        some wait: its batch is full, whatever its cache says (a rise it took, or one
+        it cannot be told about, is forgotten)."""
+        if self._probe is None or signals.running is None or unjudged:
+            return False
+        if signals.running > self._probe[1] or self._cache_binds(signals, signals.running):
+            self._probe = None  # taken, or the cache is what binds (the budget's matter)
+            return False
+        return signals.waiting > 0
+
+    @staticmethod
+    def _cache_binds(signals: EngineSignals, taken: float) -> bool:
+        """Whether the engine's cache, not its batch, keeps requests waiting: another of
+        the mean size would not fit in what is free, or it is over :data:`HIGH_USE`
+        (with no KV figure, either may)."""
+        use = signals.kv_usage
+        if use is None:
+            return True
+        engine_runs = max(1.0, signals.running if signals.running is not None else taken)
+        return use >= HIGH_USE or 1 - use < use / engine_runs
+
+    def _engine_rise(
+        self,
+        signals: EngineSignals,
+        now: float,
+        running: int,
+        reserved: int,
+        held: float,
+        budget: float,
+    ) -> Move | None:
+        """Grow what binds: the limit if the pool is full, else the tokens' ceiling."""
+        limit: float = self.limit
+        use = signals.kv_usage
+        if running >= self.limit:
+            limit = self._grown_limit(now)
+            if limit > self.limit and signals.running is not None:
+                self._probe = (self.limit, signals.running)
+        elif self.counts_tokens:
+            # runs wait with the limit not reached: the tokens bind
+            known = use is not None and use > 0 and held > 0
+            estimate = held / use * HIGH_USE if known and use else math.inf
+            self._grown_ceiling(now, reserved / max(1, running), estimate)
+        return self._moved("engine_room", limit, budget, now)
+
+    def _engine_queued(
+        self, signals: EngineSignals, now: float, queue: float, running: int, reserved: int
+    ) -> Move | None:
+        """The engine queues ``queue`` of the node's runs: lower what binds."""
+        taken = max(1.0, running - queue)
+        if signals.running is not None:
+            taken = min(taken, max(1.0, signals.running))
+        cache_binds = self._cache_binds(signals, taken)
+        batch_binds = signals.kv_usage is None or not cache_binds
+        limit: float = self.limit
+        if batch_binds:
+            limit = min(self.limit, taken)
+            self.run_mark = limit
+        if cache_binds and self.counts_tokens and reserved and running:
+            self.ceiling = max(1.0, reserved * taken / running)
+            self.token_mark = self.ceiling
+        self._queued(now)
+        self._probe = None
+        return self._moved("engine_waiting", limit, min(self.budget, self.ceiling), now)
 
     # --- latency -------------------------------------------------------------------------
 
-    def on_run_end(self, tpot: float | None) -> None:
-        """A run succeeded: its time per output token keeps the scale TTFTs are read in."""
-        if tpot is not None and tpot > 0:
-            self.tpot = (
-                tpot if self.tpot is None else (1 - SMOOTHING) * self.tpot + SMOOTHING * tpot
-            )
-
-    def waited_past(self) -> float | None:
-        """Seconds past which a run with no first token waits inside the engine (None
-        until a run has ended and one first token has been seen)."""
-        if self.tpot is None or self.baseline is None:
-            return None
-        return TOLERANCE * max(self.baseline, 1.0) * self.tpot
-
     def on_first_token(self, sample: RunSample, now: float) -> Move | None:
         """A run's first token came ``sample.ttft`` seconds after its request went out.
-        (Before any run ended, the first TTFT seen is the scale.)"""
-        scale = self.tpot if self.tpot is not None else self._first or sample.ttft
-        self._first = self._first or sample.ttft
-        if scale <= 0:
+        Every learner takes its step from it; a latency learner judges it too."""
+        ratio = self._ratio(sample)
+        if self.signal != "latency" or ratio is None or self.baseline is None:
             return None
-        ratio = sample.ttft / scale
-        if sample.in_flight <= self.auto.minimum or self.baseline is None:
-            # came alone: nothing it waited for was the node's doing; a fresh baseline
-            self.baseline = ratio if self.baseline is None else min(self.baseline * 1.5, ratio)
-        else:
-            self.baseline = min(self.baseline, ratio)
         if ratio > TOLERANCE * max(self.baseline, 1.0):
             return self._waited(sample, now)
         self.safe = max(self.safe, sample.reserved)
@@ -258,49 +451,63 @@ class LearnedCapacity:
         budget = self.safe * HEADROOM
         if self.budget != math.inf:
             budget = max(self.budget, budget)
-        return self._moved("latency_room", self.limit, budget)
+        return self._moved("latency_room", self.limit, budget, now)
 
-    def on_waiting(self, age: float, sample: RunSample, now: float) -> Move | None:
+    def on_waiting(
+        self, age: float, sample: RunSample, now: float, *, held: float | None = None
+    ) -> Move | None:
         """A run has had no first token for ``age`` seconds since its request went out:
         past :meth:`waited_past`, it waits inside the engine, and that is said now, not
-        when its first token comes. Its caller tells each run once."""
+        when its first token comes. ``held``: the pool's tokens in flight less those of
+        every run that waits so (what the engine holds), if known. Its caller tells
+        each run once."""
         past = self.waited_past()
-        if past is None or age <= past:
+        if self.signal != "latency" or past is None or age <= past:
             return None
-        return self._waited(sample, now)
+        return self._waited(sample, now, held)
 
     def on_tick(
-        self, now: float, *, running: int, reserved: int, queued: int, smallest: int | None
+        self,
+        now: float,
+        *,
+        running: int,
+        reserved: int,
+        queued: int,
+        smallest: int | None,
+        unjudged: int = 0,
     ) -> Move | None:
-        """Every interval: the pool's runs and tokens in flight, the runs waiting for it,
-        and the fewest tokens one of those reserves (None: none waits). While runs wait
-        and the pool is full, what binds it grows (module docstring)."""
+        """Every look (latency): the pool's runs and tokens in flight, the runs waiting
+        for it, the fewest tokens one of those reserves (None: none waits) and the runs
+        granted since the last rise still without a first token, not yet told to wait.
+        While runs wait and the pool is full, what binds it grows (module docstring)."""
+        self._forget(now)
         if not queued or now - self._dropped_at < self.interval:
+            return None
+        if not self._may_rise(now, unjudged):
             return None
         limit: float = self.limit
         if running >= self.limit:
-            limit = self.limit * 2 if not self._waits else self.limit + math.sqrt(self.limit)
+            limit = self._grown_limit(now)
         budget = self.budget
         if self.counts_tokens and smallest is not None and reserved + smallest > budget:
-            if self.ceiling != math.inf:
-                rise = self.ceiling * CEILING_RISE
-                if rise >= self.queued_at and now - self._dropped_at < FORGET_AFTER:
-                    rise = max(self.ceiling, self.queued_at - 1)
-                elif rise >= self.queued_at:
-                    self.queued_at = math.inf  # long quiet: the engine may have grown
-                self.ceiling = rise
+            self._grown_ceiling(now, smallest)
+            # doubling what is in flight up to what was safe, then one more waiting run
             budget = reserved + smallest
-        return self._moved("latency_room", limit, budget)
+            if reserved * 2 <= self.safe * HEADROOM:
+                budget = reserved * 2
+        return self._moved("latency_room", limit, budget, now)
 
-    def _waited(self, sample: RunSample, now: float) -> Move | None:
-        """``sample``'s run waited inside the engine: lower what explains it."""
+    def _waited(self, sample: RunSample, now: float, held: float | None = None) -> Move | None:
+        """``sample``'s run waited inside the engine: lower what explains it (to what
+        came before it, or to what the engine holds now, if less)."""
         before = sample.reserved - sample.cost
+        if held is not None and held > 0:
+            before = min(before, int(held))
         tokens = self.counts_tokens and sample.cost > 0 and before > 0
         if sample.granted_at < self._dropped_at and (
             sample.in_flight > self.limit or (tokens and sample.reserved > self.ceiling)
         ):
             return None  # it came before the last drop, on more than is let in now
-        self._waits += 1
         by_tokens = tokens and sample.reserved > self.safe
         by_runs = sample.in_flight > self.safe_runs
         if not by_tokens and not by_runs:  # the engine shrank: forget what was safe
@@ -310,10 +517,9 @@ class LearnedCapacity:
         limit: float = self.limit
         if by_runs:
             limit = min(self.limit, sample.in_flight - 1)
+            self.run_mark = max(self.auto.minimum, limit)
         if by_tokens:
-            self.queued_at = min(self.queued_at, sample.reserved)
             self.ceiling = min(self.ceiling, max(1.0, before))
-        move = self._moved("latency_waited", limit, min(self.budget, self.ceiling))
-        if move is not None:
-            self._dropped_at = now
-        return move
+            self.token_mark = self.ceiling
+        self._queued(now)
+        return self._moved("latency_waited", limit, min(self.budget, self.ceiling), now)

@@ -3,15 +3,20 @@ and carries its moves out on the gate.
 
 One :class:`CapacityLearner` per pool that learns (an adapter's, or a target's). When
 the node starts it asks the engine for its signals once: an engine that exposes them
-(:meth:`~iop_trio.adapters.base.Adapter.engine_signals`) is read every
-:data:`SCRAPE_INTERVAL` seconds from then on (``engine``), bounded by the adapter's own
-timeout; one that exposes none is learned from the latency of the runs that succeed
-(``latency``), which the run manager reports (:meth:`CapacityLearner.first_token`,
-:meth:`CapacityLearner.run_ended`); the learner looks every interval for runs that wait
-for their first token too long (:meth:`~.capacity.LearnedCapacity.on_waiting`). An
-engine that cannot be asked at start is taken for one that exposes signals, and its
-failed scrapes count as saturated until it answers. Each move sets the pool's limit and
-token budget in the gate, is counted by reason and logged at debug level.
+(:meth:`~iop_trio.adapters.base.Adapter.engine_signals`) is read from then on
+(``engine``), bounded by the adapter's own timeout, each scrape beginning
+``max(interval - the last one's time, interval / 4)`` after the last one answered, the
+interval being the policy's (a few of the engine's steps), with up to a quarter more at
+random; one that exposes none is learned from the latency of the runs that succeed
+(``latency``), looked at every interval. The run manager reports every run's first
+token and end (:meth:`CapacityLearner.first_token`, :meth:`CapacityLearner.run_ended`:
+the engine's step, for both) and, on demand, the runs in the engine and when each was
+last heard from (:attr:`CapacityLearner.in_engine`): an engine learner counts the
+node's runs stalled there, a latency learner tells the policy of runs that wait for
+their first token too long (:meth:`~.capacity.LearnedCapacity.on_waiting`). An engine
+that cannot be asked at start is taken for one that exposes signals, and its failed
+scrapes count as saturated until it answers. Each move sets the pool's limit and token
+budget in the gate, is counted by reason and logged at debug level.
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ from .tickets import Pool
 
 log = logging.getLogger(__name__)
 
-#: Seconds between two reads of an engine's signals.
-SCRAPE_INTERVAL = 0.5
+#: The share of an interval a scrape waits after the last one, at least.
+LEAST_GAP = 0.25
 
 
 class CapacityLearner:
@@ -60,9 +65,10 @@ class CapacityLearner:
         #: set once :meth:`run` has asked the engine and :attr:`signal` is known
         self.decided = trio.Event()
         self.last_error = ""
-        #: the runs in flight with no first token yet, and when each request went out
-        #: (the run manager's; set by the node)
-        self.awaiting: Callable[[], Iterable[tuple[Permit, float]]] = lambda: ()
+        #: the runs in the engine, when each was last heard from and whether its first
+        #: token came (the run manager's :meth:`~.manager.RunManager.in_engine`; set by
+        #: the node)
+        self.in_engine: Callable[[], Iterable[tuple[Permit, float, bool]]] = lambda: ()
         self._told: weakref.WeakSet[Permit] = weakref.WeakSet()  # runs said to wait
 
     def __repr__(self) -> str:
@@ -78,7 +84,6 @@ class CapacityLearner:
             self.auto,
             signal=signal,
             now=trio.current_time(),
-            interval=SCRAPE_INTERVAL,
             rng=self._rng,
         )
         self.learned = learned
@@ -109,38 +114,78 @@ class CapacityLearner:
             self.last_error = exc.message
             return exc
 
+    def _jittered(self, seconds: float) -> float:
+        return seconds * (1 + 0.25 * self._rng.random())
+
     async def run(self) -> None:
         """Until cancelled: decide the signal, then read the engine's (engine), or look
         every interval for runs that wait for their first token too long (latency)."""
         first = await self._read()
         if first is None:
-            learned = self._start("latency")
-            while True:
-                await trio.sleep(SCRAPE_INTERVAL * (1 + 0.25 * self._rng.random()))
-                self._look_for_waiting(learned)
-                self._apply(
-                    learned.on_tick(
-                        trio.current_time(),
-                        running=self.pool.running,
-                        reserved=self.pool.reserved,
-                        queued=self.gate.scheduler.waiting_for(self.pool),
-                        smallest=self.gate.scheduler.smallest_waiting(self.pool),
-                    )
-                )
+            await self._learn_latency(self._start("latency"))
         learned = self._start("engine")
         signals: EngineSignals | AdapterError | None = first
+        began = trio.current_time()
         while True:
-            move = learned.on_engine(
-                # a failed read, or signals that went away: saturated, not free
-                signals if isinstance(signals, EngineSignals) else None,
-                trio.current_time(),
-                running=self.pool.running,
-                reserved=self.pool.reserved,
-                queued=self.gate.scheduler.waiting_for(self.pool),
+            stalled, unjudged = self._judge(learned)
+            self._apply(
+                learned.on_engine(
+                    # a failed read, or signals that went away: saturated, not free
+                    signals if isinstance(signals, EngineSignals) else None,
+                    trio.current_time(),
+                    running=self.pool.running,
+                    reserved=self.pool.reserved,
+                    queued=self.gate.scheduler.waiting_for(self.pool),
+                    stalled=stalled,
+                    unjudged=unjudged,
+                )
             )
-            self._apply(move)
-            await trio.sleep(SCRAPE_INTERVAL)
+            # the next scrape begins an interval after this one began, or, after a slow
+            # one, LEAST_GAP of an interval after it answered
+            now = trio.current_time()
+            wait = max(learned.interval * LEAST_GAP, began + learned.interval - now)
+            await trio.sleep(self._jittered(wait))
+            began = trio.current_time()
             signals = await self._read()
+
+    async def _learn_latency(self, learned: LearnedCapacity) -> None:
+        while True:
+            await trio.sleep(self._jittered(learned.interval))
+            self._look_for_waiting(learned)
+            _stalled, unjudged = self._judge(learned)
+            self._apply(
+                learned.on_tick(
+                    trio.current_time(),
+                    running=self.pool.running,
+                    reserved=self.pool.reserved,
+                    queued=self.gate.scheduler.waiting_for(self.pool),
+                    smallest=self.gate.scheduler.smallest_waiting(self.pool),
+                    unjudged=unjudged,
+                )
+            )
+
+    def _judge(self, learned: LearnedCapacity) -> tuple[int, int]:
+        """The pool's runs in the engine that are stalled (nothing heard for longer than
+        the policy allows; none until it has measured a step), and those granted since
+        its last rise that await their first token, not stalled, with those told to
+        wait that still do (the engine is full while they wait: no rise)."""
+        first_past, later_past = learned.waited_past(), learned.stalled_past()
+        now = trio.current_time()
+        stalled = unjudged = 0
+        for permit, heard, had_first in self.in_engine():
+            if permit.at_grant(self.pool) is None:
+                continue
+            past = later_past if had_first else first_past
+            quiet = past is not None and now - heard > past
+            stalled += quiet
+            if not had_first and (quiet or permit in self._told):
+                unjudged += 1  # it waits in the engine: the engine is full, no rise yet
+            elif not had_first:
+                # a run the last rise let in (not one that took a place freed since)
+                granted = permit.granted_at
+                risen = learned.risen_at
+                unjudged += granted is not None and risen <= granted <= risen + learned.step
+        return stalled, unjudged
 
     def _sample(self, permit: Permit, ttft: float) -> RunSample | None:
         seen = permit.at_grant(self.pool)
@@ -156,24 +201,33 @@ class CapacityLearner:
         )
 
     def _look_for_waiting(self, learned: LearnedCapacity) -> None:
+        """Tell the policy of each run of the pool that waits past its bound for a first
+        token, once, with the tokens the engine holds of the pool's (those of the runs
+        not waiting so)."""
         now = trio.current_time()
         past = learned.waited_past()
         if past is None:
             return
-        for permit, sent in list(self.awaiting()):
-            if permit in self._told or now - sent <= past:
+        waiting = [
+            (permit, sent)
+            for permit, sent, had_first in list(self.in_engine())
+            if not had_first and now - sent > past and permit.at_grant(self.pool) is not None
+        ]
+        held = self.pool.reserved - sum(permit.cost for permit, _sent in waiting)
+        for permit, sent in waiting:
+            if permit in self._told:
                 continue
             sample = self._sample(permit, now - sent)
             if sample is not None:
                 self._told.add(permit)  # told once, whatever it moves
-                self._apply(learned.on_waiting(now - sent, sample, now))
+                self._apply(learned.on_waiting(now - sent, sample, now, held=held))
 
     def first_token(self, permit: Permit, ttft: float) -> None:
         """A run through this pool had its first token ``ttft`` seconds after its request
-        went out (``latency`` learners use it; a run already told to wait is not told
-        again)."""
+        went out (every learner takes the engine's step from it; a latency learner
+        judges it too, unless the run was already told to wait)."""
         learned = self.learned
-        if learned is None or learned.signal != "latency" or permit in self._told:
+        if learned is None or permit in self._told:
             return
         sample = self._sample(permit, ttft)
         if sample is not None:
@@ -184,4 +238,6 @@ class CapacityLearner:
         first (None for fewer than two)."""
         self._told.discard(permit)
         if self.learned is not None and permit.at_grant(self.pool) is not None:
-            self.learned.on_run_end(tpot)
+            granted = permit.granted_at
+            took = None if granted is None else trio.current_time() - granted
+            self.learned.on_run_end(tpot, took)

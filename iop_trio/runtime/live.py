@@ -127,10 +127,12 @@ class LiveRun:
     # was the engine tokenizer's own count
     prompt_tokens: int | None = None
     prompt_exact: bool = False
-    # while admitted: its permit, when its engine request went out, its first token
+    # while admitted: its permit, when its engine request went out, its first token,
+    # and when the engine was last heard from (the request, or its latest chunks)
     permit: Permit | None = None
     sent_at: float | None = None
     first_at: float | None = None
+    heard_at: float | None = None
     # while STARTING: its STARTED event, and the Event set once that is durable
     starting: tuple[RunEvent, trio.Event] | None = None
     # a list while it is short (a queued run has one event: an empty deque of the

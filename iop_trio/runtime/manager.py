@@ -184,12 +184,14 @@ class RunManager:
         to this list to be told."""
         return self.runs.listeners
 
-    def awaiting_first_token(self) -> Iterator[tuple[Permit, float]]:
-        """The runs whose engine request went out and whose first token has not come:
-        their permits, and when each request went out (trio time)."""
+    def in_engine(self) -> Iterator[tuple[Permit, float, bool]]:
+        """The runs whose engine request went out and whose stream has not ended: their
+        permits, when the engine was last heard from about each (its request sent, or
+        its latest chunks; trio time), and whether its first token came."""
         for live in self.runs:
-            if live.sent_at is not None and live.first_at is None and live.permit is not None:
-                yield live.permit, live.sent_at
+            heard = live.heard_at
+            if heard is not None and live.permit is not None:
+                yield live.permit, heard, live.first_at is not None
 
     # --- submitting ----------------------------------------------------------------------
 

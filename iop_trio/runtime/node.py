@@ -348,7 +348,7 @@ class Node:
         )
         for name, (auto, pool) in self.auto.items():
             learner = CapacityLearner(name, auto, pool, self.adapter_of_pool(name), self.gate)
-            learner.awaiting = manager.awaiting_first_token
+            learner.in_engine = manager.in_engine
             self.learners[name] = learner
             nursery.start_soon(learner.run)
         return manager

@@ -199,7 +199,7 @@ class StreamRelay:
         self, live: LiveRun, adapter: Adapter, request: AdapterRequest, target: TargetSpec
     ) -> Outcome:
         limit = target.max_output_bytes
-        sent = live.sent_at = trio.current_time()
+        sent = live.sent_at = live.heard_at = trio.current_time()
         relayed = _Relayed(sent, math.inf if limit is None else limit)
         try:
             async with adapter.open_stream(request) as chunks, gathered(chunks) as batches:
@@ -211,6 +211,8 @@ class StreamRelay:
             if self.engine_answered is not None:
                 self.engine_answered(target.name, sent, exc)
             return Outcome(RunStatus.FAILED, exc.reason, exc.message, retry_after=exc.retry_after)
+        finally:
+            live.heard_at = None  # out of the engine
         if self.engine_answered is not None:
             self.engine_answered(target.name, sent, None)
         return self._succeeded(live, relayed)
@@ -220,6 +222,7 @@ class StreamRelay:
     ) -> Outcome | None:
         """Write one batch of chunks as delta events; the run's end if its output passed
         its bound (the chunk that passed it is neither sent nor counted), else None."""
+        live.heard_at = trio.current_time()  # the learners' sign that it is not stalled
         pending = _Pending()
         for chunk in batch:
             if relayed.completed:
