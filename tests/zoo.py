@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import random
 import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -207,7 +208,9 @@ async def cancel_all(node: Node) -> None:
 
 
 async def measure(shape: Any, config: Config, phases: Sequence[Phase]) -> list[Figures]:
-    """Each phase of the load, one after the other on one node and one engine."""
+    """Each phase of the load, one after the other on one node and one engine (the
+    learners' jitter seeded, so a run repeats)."""
+    random.seed(0)
     engine = shape.engine()
     node = sim_node(engine, shape, config)
     out: list[Figures] = []

@@ -14,8 +14,9 @@ own **step**, measured: the smoothed time per output token of the runs that succ
 :data:`FIRST_STEP`). The learner looks every :attr:`~LearnedCapacity.interval`
 (:data:`STEPS_A_LOOK` steps, within :data:`SHORTEST_LOOK` and :data:`LONGEST_LOOK`
 seconds); a run is *stalled* when it has heard nothing from the engine for
-:data:`TOLERANCE` steps (before its first token: that many times the baseline ratio of
-time to first token over the step, since a first token costs a prefill).
+:attr:`~LearnedCapacity.tolerance` steps (before its first token: that many times the
+baseline ratio of time to first token over the step, since a first token costs a
+prefill).
 
 **Growth is TCP's**: below the *mark* (the limit at which the engine last queued, as
 TCP's ``ssthresh``) the limit doubles each look while runs wait for it and the engine
@@ -101,8 +102,8 @@ INITIAL_LIMIT = 4
 #: Seconds a step is taken for until one is measured.
 FIRST_STEP = 0.125
 #: Steps between two looks at the engine, and the bounds of a look's interval (s).
-STEPS_A_LOOK = 2.0
-SHORTEST_LOOK = 0.05
+STEPS_A_LOOK = 1.0
+SHORTEST_LOOK = 0.1
 LONGEST_LOOK = 1.0
 #: The share of what the engine's cache holds that the learned budget fills.
 FILL = 1.0
@@ -110,12 +111,17 @@ FILL = 1.0
 HIGH_USE = 0.9
 #: Steps (times the baseline, before a first token) with nothing heard: a run stalled.
 TOLERANCE = 4.0
+#: The same, for a learner that has the engine's waiting count to confirm it: a request
+#: that joins at the next step boundary has its first token within two steps.
+CONFIRM_AFTER = 2.5
 #: How much more than the most tokens seen in flight safely the budget lets in (latency).
 HEADROOM = 1.25
 #: Looks with no queue after which a mark is forgotten.
 FORGET_AFTER = 50
 #: Looks with no queue before the learner probes past a mark.
 PROBE_AFTER = 10
+#: Runs streaming at once that say what the step is now.
+LIVE_RUNS = 4
 #: The weight of a new sample in the smoothed step.
 SMOOTHING = 0.3
 
@@ -170,9 +176,11 @@ class LearnedCapacity:
         # latency: the most tokens and runs seen in flight with no run waiting
         self.safe = 0
         self.safe_runs = 0
-        self.baseline: float | None = None  # the lowest TTFT in steps
+        # the lowest TTFT in steps, by the size of the run (its prefill grows with it)
+        self.baselines: dict[int, float] = {}
         self.tpot: float | None = None  # the smoothed time per output token of runs
         self.run_time = 0.0  # the smoothed seconds a run holds its permit
+        self.live_step = 0.0  # the step as the runs streaming now show it (0: unknown)
         self._first: float | None = None  # the shortest TTFT seen, the step until a TPOT
         self._rng = rng or random.Random()
         self._queued_at = now  # when the engine last queued (or the start)
@@ -182,6 +190,7 @@ class LearnedCapacity:
         # the last rise of the limit not yet judged by the engine: the limit before it
         # and the requests the engine ran then
         self._probe: tuple[int, float] | None = None
+        self._peak = 0.0  # the most requests the engine ran at a look since the last rise
         self.moves: collections.Counter[str] = collections.Counter()
         self.last: Move | None = None
 
@@ -198,10 +207,22 @@ class LearnedCapacity:
 
     @property
     def step(self) -> float:
-        """Seconds of one engine step, as measured (module docstring)."""
+        """Seconds of one engine step, as measured (module docstring), or as the runs
+        streaming now show it, if longer (a batch that just grew steps slower than
+        the runs that ended say)."""
         if self.tpot is not None:
-            return self.tpot
-        return self._first if self._first is not None else FIRST_STEP
+            return max(self.tpot, self.live_step)
+        return max(self._first if self._first is not None else FIRST_STEP, self.live_step)
+
+    def on_streaming(self, quiet: list[float]) -> None:
+        """The seconds since each run streaming now was last heard from: a run that
+        gets a token a step is quiet for half a step on average, so twice their median
+        is the step now (with fewer than :data:`LIVE_RUNS`, not known)."""
+        if len(quiet) < LIVE_RUNS:
+            self.live_step = 0.0
+            return
+        quiet = sorted(quiet)
+        self.live_step = 2 * quiet[len(quiet) // 2]
 
     @property
     def interval(self) -> float:
@@ -213,17 +234,37 @@ class LearnedCapacity:
         """Whether a step has been measured (a first token seen)."""
         return self._first is not None
 
-    def waited_past(self) -> float | None:
-        """Seconds past which a run with no first token waits inside the engine (None
-        until a first token has been seen)."""
-        if not self.measured or self.baseline is None:
+    @staticmethod
+    def _size(cost: int) -> int:
+        """The baseline's bucket of a run reserving ``cost`` tokens: a power of two."""
+        return max(0, cost).bit_length()
+
+    def baseline(self, cost: int | None = None) -> float | None:
+        """The baseline TTFT in steps of runs the size of ``cost`` (None: of the smallest
+        runs seen), None until one of that size has had its first token."""
+        if cost is None:
+            return self.baselines[min(self.baselines)] if self.baselines else None
+        return self.baselines.get(self._size(cost))
+
+    def waited_past(self, cost: int | None = None) -> float | None:
+        """Seconds past which a run reserving ``cost`` tokens, with no first token, waits
+        inside the engine (None until a first token of its size has been seen: the
+        first of a new size sets the baseline of its size)."""
+        baseline = self.baseline(cost)
+        if not self.measured or baseline is None:
             return None
-        return TOLERANCE * max(self.baseline, 1.0) * self.step
+        return self.tolerance * max(baseline, 1.0) * self.step
 
     def stalled_past(self) -> float | None:
         """Seconds with nothing heard past which a run that has had tokens is stalled
         (preempted, or its engine stuck); None until a step is measured."""
-        return TOLERANCE * self.step if self.measured else None
+        return self.tolerance * self.step if self.measured else None
+
+    @property
+    def tolerance(self) -> float:
+        """Steps of quiet that make a run stalled: :data:`TOLERANCE` from latency alone,
+        :data:`CONFIRM_AFTER` where the engine's waiting count confirms it."""
+        return TOLERANCE if self.signal == "latency" else CONFIRM_AFTER
 
     def on_run_end(self, tpot: float | None, took: float | None = None) -> None:
         """A run succeeded, having held its permit ``took`` seconds: its time per output
@@ -242,11 +283,13 @@ class LearnedCapacity:
         if scale <= 0:
             return None
         ratio = sample.ttft / scale
-        if sample.in_flight <= self.auto.minimum or self.baseline is None:
+        size = self._size(sample.cost)
+        baseline = self.baselines.get(size)
+        if sample.in_flight <= self.auto.minimum or baseline is None:
             # came alone: nothing it waited for was the node's doing; a fresh baseline
-            self.baseline = ratio if self.baseline is None else min(self.baseline * 1.5, ratio)
+            self.baselines[size] = ratio if baseline is None else min(baseline * 1.5, ratio)
         else:
-            self.baseline = min(self.baseline, ratio)
+            self.baselines[size] = min(baseline, ratio)
         return ratio
 
     # --- moving --------------------------------------------------------------------------
@@ -358,6 +401,8 @@ class LearnedCapacity:
         if use is not None and use > 0 and held > 0:
             budget = held / use * FILL
         fresh = signals.at >= self.risen_at + self.step
+        if signals.running is not None:
+            self._peak = max(self._peak, signals.running)
         if fresh and self._failed_probe(signals, unjudged):
             assert self._probe is not None
             self.run_mark = limit = self._probe[0]
@@ -406,7 +451,8 @@ class LearnedCapacity:
         if running >= self.limit:
             limit = self._grown_limit(now)
             if limit > self.limit and signals.running is not None:
-                self._probe = (self.limit, signals.running)
+                # judged against the most the engine ran at the limit it leaves
+                self._probe, self._peak = (self.limit, self._peak), signals.running
         elif self.counts_tokens:
             # runs wait with the limit not reached: the tokens bind
             known = use is not None and use > 0 and held > 0
@@ -440,9 +486,10 @@ class LearnedCapacity:
         """A run's first token came ``sample.ttft`` seconds after its request went out.
         Every learner takes its step from it; a latency learner judges it too."""
         ratio = self._ratio(sample)
-        if self.signal != "latency" or ratio is None or self.baseline is None:
+        baseline = self.baseline(sample.cost)
+        if self.signal != "latency" or ratio is None or baseline is None:
             return None
-        if ratio > TOLERANCE * max(self.baseline, 1.0):
+        if ratio > TOLERANCE * max(baseline, 1.0):
             return self._waited(sample, now)
         self.safe = max(self.safe, sample.reserved)
         self.safe_runs = max(self.safe_runs, sample.in_flight)
@@ -461,7 +508,7 @@ class LearnedCapacity:
         when its first token comes. ``held``: the pool's tokens in flight less those of
         every run that waits so (what the engine holds), if known. Its caller tells
         each run once."""
-        past = self.waited_past()
+        past = self.waited_past(sample.cost)
         if self.signal != "latency" or past is None or age <= past:
             return None
         return self._waited(sample, now, held)

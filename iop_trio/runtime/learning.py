@@ -60,7 +60,8 @@ class CapacityLearner:
         self.pool = pool
         self.adapter = adapter
         self.gate = gate
-        self._rng = rng or random.Random()
+        # by default from the global one, so that seeding that makes a run repeatable
+        self._rng = rng or random.Random(random.getrandbits(64))
         self.learned: LearnedCapacity | None = None
         #: set once :meth:`run` has asked the engine and :attr:`signal` is known
         self.decided = trio.Event()
@@ -151,8 +152,8 @@ class CapacityLearner:
     async def _learn_latency(self, learned: LearnedCapacity) -> None:
         while True:
             await trio.sleep(self._jittered(learned.interval))
+            _stalled, unjudged = self._judge(learned)  # the step now, first
             self._look_for_waiting(learned)
-            _stalled, unjudged = self._judge(learned)
             self._apply(
                 learned.on_tick(
                     trio.current_time(),
@@ -169,13 +170,17 @@ class CapacityLearner:
         the policy allows; none until it has measured a step), and those granted since
         its last rise that await their first token, not stalled, with those told to
         wait that still do (the engine is full while they wait: no rise)."""
-        first_past, later_past = learned.waited_past(), learned.stalled_past()
         now = trio.current_time()
+        mine = [
+            (permit, heard, first)
+            for permit, heard, first in self.in_engine()
+            if permit.at_grant(self.pool) is not None
+        ]
+        learned.on_streaming([now - heard for _p, heard, first in mine if first])
+        later_past = learned.stalled_past()
         stalled = unjudged = 0
-        for permit, heard, had_first in self.in_engine():
-            if permit.at_grant(self.pool) is None:
-                continue
-            past = later_past if had_first else first_past
+        for permit, heard, had_first in mine:
+            past = later_past if had_first else learned.waited_past(permit.cost)
             quiet = past is not None and now - heard > past
             stalled += quiet
             if not had_first and (quiet or permit in self._told):
@@ -205,14 +210,11 @@ class CapacityLearner:
         token, once, with the tokens the engine holds of the pool's (those of the runs
         not waiting so)."""
         now = trio.current_time()
-        past = learned.waited_past()
-        if past is None:
-            return
-        waiting = [
-            (permit, sent)
-            for permit, sent, had_first in list(self.in_engine())
-            if not had_first and now - sent > past and permit.at_grant(self.pool) is not None
-        ]
+        waiting = []
+        for permit, sent, had_first in list(self.in_engine()):
+            past = None if had_first else learned.waited_past(permit.cost)
+            if past is not None and now - sent > past and permit.at_grant(self.pool) is not None:
+                waiting.append((permit, sent))
         held = self.pool.reserved - sum(permit.cost for permit, _sent in waiting)
         for permit, sent in waiting:
             if permit in self._told:
