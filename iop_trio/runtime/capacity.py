@@ -116,8 +116,9 @@ TOLERANCE = 4.0
 CONFIRM_AFTER = 2.5
 #: How much more than the most tokens seen in flight safely the budget lets in (latency).
 HEADROOM = 1.25
-#: Looks with no queue after which a mark is forgotten.
+#: Looks, and runs' times, with no queue after which a mark is forgotten.
 FORGET_AFTER = 50
+FORGET_RUNS = 4
 #: Looks with no queue before the learner probes past a mark.
 PROBE_AFTER = 10
 #: Runs streaming at once that say what the step is now.
@@ -173,6 +174,7 @@ class LearnedCapacity:
         self.ceiling = math.inf  # tokens: the most known not to make the engine queue
         self.run_mark = math.inf  # the limit at which the engine last queued
         self.token_mark = math.inf  # the tokens in flight at which it last queued
+        self._mark_size = -1  # latency: the size of the run whose wait set the token mark
         # latency: the most tokens and runs seen in flight with no run waiting
         self.safe = 0
         self.safe_runs = 0
@@ -181,6 +183,7 @@ class LearnedCapacity:
         self.tpot: float | None = None  # the smoothed time per output token of runs
         self.run_time = 0.0  # the smoothed seconds a run holds its permit
         self.live_step = 0.0  # the step as the runs streaming now show it (0: unknown)
+        self.oldest = 0.0  # the seconds the oldest run in flight has held its place
         self._first: float | None = None  # the shortest TTFT seen, the step until a TPOT
         self._rng = rng or random.Random()
         self._queued_at = now  # when the engine last queued (or the start)
@@ -214,10 +217,13 @@ class LearnedCapacity:
             return max(self.tpot, self.live_step)
         return max(self._first if self._first is not None else FIRST_STEP, self.live_step)
 
-    def on_streaming(self, quiet: list[float]) -> None:
+    def on_streaming(self, quiet: list[float], oldest: float = 0.0) -> None:
         """The seconds since each run streaming now was last heard from: a run that
         gets a token a step is quiet for half a step on average, so twice their median
-        is the step now (with fewer than :data:`LIVE_RUNS`, not known)."""
+        is the step now (with fewer than :data:`LIVE_RUNS`, not known). ``oldest``: the
+        seconds the oldest run in flight has held its place (a run's time is at least
+        that)."""
+        self.oldest = oldest
         if len(quiet) < LIVE_RUNS:
             self.live_step = 0.0
             return
@@ -268,7 +274,7 @@ class LearnedCapacity:
 
     def on_run_end(self, tpot: float | None, took: float | None = None) -> None:
         """A run succeeded, having held its permit ``took`` seconds: its time per output
-        token is a step of the engine."""
+        token is a step of the engine, and its time what a run holds a place."""
         if took is not None and took > 0:
             self.run_time = (1 - SMOOTHING) * self.run_time + SMOOTHING * took
         if tpot is not None and tpot > 0:
@@ -326,8 +332,14 @@ class LearnedCapacity:
 
     def _probing(self, now: float) -> bool:
         """Whether a rise past a mark may come: :data:`PROBE_AFTER` looks with no queue,
-        and a run's time (a failed probe's run waits about that long for a place)."""
-        return now - self._queued_at >= max(PROBE_AFTER * self.interval, self.run_time)
+        and a run's time (a failed probe's run waits about that long for a place): the
+        smoothed time of the runs that ended, or the age of the oldest in flight, if
+        longer (the runs of a new load have not ended yet)."""
+        return now - self._queued_at >= self._run_time()
+
+    def _run_time(self) -> float:
+        """What a probe waits for (:meth:`_probing`): at least :data:`PROBE_AFTER` looks."""
+        return max(PROBE_AFTER * self.interval, self.run_time, self.oldest)
 
     def _grown_limit(self, now: float) -> float:
         """The limit one rise makes: doubled below the mark, then +1, +2, ... (once
@@ -357,9 +369,11 @@ class LearnedCapacity:
             self.ceiling = rise
 
     def _forget(self, now: float) -> None:
-        """Marks older than :data:`FORGET_AFTER` looks with no queue: the engine may have
-        grown (another load, a restart), so slow start may pass them again."""
-        if now - self._queued_at > FORGET_AFTER * self.interval:
+        """Marks older than :data:`FORGET_AFTER` looks and :data:`FORGET_RUNS` runs' times
+        with no queue: the engine may have grown (another load, a restart), so slow
+        start may pass them again."""
+        quiet = max(FORGET_AFTER * self.interval, FORGET_RUNS * self._run_time())
+        if now - self._queued_at > quiet:
             self.run_mark = self.token_mark = math.inf
             self._queued_at = now
 
@@ -539,9 +553,19 @@ class LearnedCapacity:
         if self.counts_tokens and smallest is not None and reserved + smallest > budget:
             self._grown_ceiling(now, smallest)
             # doubling what is in flight up to what was safe, then one more waiting run
+            # (once the tokens have made a run of this size wait, a probe: a run's time
+            # apart)
             budget = reserved + smallest
             if reserved * 2 <= self.safe * HEADROOM:
                 budget = reserved * 2
+            elif (
+                budget > self.safe * HEADROOM
+                and self.token_mark != math.inf
+                and self._mark_size == self._size(smallest)
+                and now - self.risen_at < self._run_time()
+            ):
+                budget = self.budget
+
         return self._moved("latency_room", limit, budget, now)
 
     def _waited(self, sample: RunSample, now: float, held: float | None = None) -> Move | None:
@@ -568,5 +592,6 @@ class LearnedCapacity:
         if by_tokens:
             self.ceiling = min(self.ceiling, max(1.0, before))
             self.token_mark = self.ceiling
+            self._mark_size = self._size(sample.cost)
         self._queued(now)
         return self._moved("latency_waited", limit, min(self.budget, self.ceiling), now)

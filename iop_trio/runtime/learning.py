@@ -176,7 +176,11 @@ class CapacityLearner:
             for permit, heard, first in self.in_engine()
             if permit.at_grant(self.pool) is not None
         ]
-        learned.on_streaming([now - heard for _p, heard, first in mine if first])
+        grants = [p.granted_at for p, _heard, _first in mine if p.granted_at is not None]
+        learned.on_streaming(
+            [now - heard for _p, heard, first in mine if first],
+            now - min(grants) if grants else 0.0,
+        )
         later_past = learned.stalled_past()
         stalled = unjudged = 0
         for permit, heard, had_first in mine:
