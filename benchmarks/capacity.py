@@ -679,6 +679,13 @@ if __name__ == "__main__":
     )
     parser.add_argument("--list", action="store_true", help="print the configurations")
     parser.add_argument(
+        "--zoo",
+        nargs="?",
+        const="",
+        metavar="SHAPE,...",
+        help="the engine zoo's sample (or the engines named): capacity_zoo.py says what",
+    )
+    parser.add_argument(
         "--engine-args", type=shlex.split, default=[], help="more sim_engine.py options"
     )
     parser.add_argument("--rev", help="measure this git revision's iop_trio (see relay.py)")
@@ -695,6 +702,16 @@ if __name__ == "__main__":
         sys.exit(0)
     if ns.rev:
         sys.exit(run_at_rev(ns.rev, sys.argv[1:], Path(__file__)))
+    run = main
+    if ns.zoo is not None:
+        import capacity_zoo
+
+        names = capacity_zoo.shape_list(ns.zoo)
+        if ns.phase_seconds == parser.get_default("phase_seconds"):
+            ns.phase_seconds = 8.0  # the phases
+        if ns.warmup == parser.get_default("warmup"):
+            ns.warmup = 2.0
+        run = lambda ns: capacity_zoo.main(ns, names)  # noqa: E731
     if ns.quick:
         ns.configs = ["static-4", "static-64", "token-budget-4096", "auto", "auto-latency"]
         ns.phase_seconds, ns.warmup = 8.0, 2.0
@@ -702,7 +719,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        sys.exit(main(ns))
+        sys.exit(run(ns))
     except BaseException as exc:
         if not interrupted(exc):
             raise
