@@ -35,12 +35,9 @@ FLOOR = 0.33  # of the best static's tokens/s, in any phase of any drawn engine
 MOST_QUEUED = 6.0  # requests queued in the engine on average, in any phase of any engine
 #: The sample's known misses, by shape: (learner, phase index) and why.
 KNOWN_MISSES = {
-    # 200 ms steps and 300 ms scrapes: slow start from 4 to 48 takes 4-5 s of the
-    # first phase's 8 (0.75x); later phases start from what it learned
-    "slow-llamacpp": {("auto-latency", 0)},
     # a batch cap of 32 that turns over every step: a run past it waits one step,
-    # which latency cannot tell from a prefill (about 1.8 queued)
-    "fast-step": {("auto-latency", 0), ("auto-latency", 2)},
+    # which latency cannot tell from a prefill (about 1.8 queued after the long phase)
+    "fast-step": {("auto-latency", 2)},
     # the same on a batch cap of 16 whose short runs turn over every 2 steps: latency
     # settles at 17, one over the cap, which is 0.97 queued with trio 0.35 and 1.05 with
     # the floor's trio (their schedulers order a step's tasks apart)

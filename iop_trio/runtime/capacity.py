@@ -60,8 +60,9 @@ latency). It is read at each first token, and every look for runs still without 
 tokens in flight, itself included) says what was safe and what was too much:
 
 - a run that did not wait shows what was *safe*: the most runs and tokens seen in
-  flight with no wait are kept, and the budget may be :data:`HEADROOM` times those
-  tokens, under the ceiling (``latency_room``);
+  flight with no wait are kept, and the budget may be twice those tokens in the tokens'
+  slow start, :data:`HEADROOM` times them after it (:meth:`LearnedCapacity._started`
+  says when it ends), under the ceiling (``latency_room``);
 - a run that waited came when too much was in flight. What explains it is lowered:
   the tokens, if more were in flight than ever safely (the ceiling drops to what was
   in flight before it, and that is the token mark), the runs, if more ran than ever
@@ -178,6 +179,7 @@ class LearnedCapacity:
         # latency: the most tokens and runs seen in flight with no run waiting
         self.safe = 0
         self.safe_runs = 0
+        self._starting = True  # the tokens' slow start (:meth:`_headroom`)
         # the lowest TTFT in steps, by the size of the run (its prefill grows with it)
         self.baselines: dict[int, float] = {}
         self.tpot: float | None = None  # the smoothed time per output token of runs
@@ -509,8 +511,9 @@ class LearnedCapacity:
         self.safe_runs = max(self.safe_runs, sample.in_flight)
         if not self.counts_tokens or not self.safe:
             return None
-        budget = self.safe * HEADROOM
-        if self.budget != math.inf:
+        started = self._started()
+        budget = self.safe * self._headroom()
+        if self.budget != math.inf and not started:
             budget = max(self.budget, budget)
         return self._moved("latency_room", self.limit, budget, now)
 
@@ -542,6 +545,9 @@ class LearnedCapacity:
         granted since the last rise still without a first token, not yet told to wait.
         While runs wait and the pool is full, what binds it grows (module docstring)."""
         self._forget(now)
+        if self._started(idle=not queued) and self.counts_tokens and self.safe:
+            budget = min(self.budget, max(self.safe, reserved) * HEADROOM)
+            return self._moved("latency_room", self.limit, budget, now, rise=False)
         if not queued or now - self._dropped_at < self.interval:
             return None
         if not self._may_rise(now, unjudged):
@@ -567,6 +573,24 @@ class LearnedCapacity:
                 budget = self.budget
 
         return self._moved("latency_room", limit, budget, now)
+
+    def _headroom(self) -> float:
+        """How far past the most tokens seen in flight safely the budget may go: double
+        in the tokens' slow start, then :data:`HEADROOM`."""
+        return 2.0 if self._starting else HEADROOM
+
+    def _started(self, *, idle: bool = False) -> bool:
+        """Whether the tokens' slow start ended just now: tokens made a run wait, a run
+        ended, or no run waits for the pool (``idle``: the load, not the budget, bounds
+        what is in flight, so the doubled headroom is untested, as TCP's window is not
+        grown while the sender has too little to send, RFC 7661). Once only: the budget
+        falls back to :data:`HEADROOM` times what was safe, so a load that shifts to
+        larger runs does not come in on the headroom the first runs left."""
+        ended = idle and self.safe > 0 and self.budget != math.inf
+        if self._starting and (ended or self.token_mark != math.inf or self.run_time > 0):
+            self._starting = False
+            return True
+        return False
 
     def _waited(self, sample: RunSample, now: float, held: float | None = None) -> Move | None:
         """``sample``'s run waited inside the engine: lower what explains it (to what
