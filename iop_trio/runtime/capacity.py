@@ -61,7 +61,7 @@ tokens in flight, itself included) says what was safe and what was too much:
 
 - a run that did not wait shows what was *safe*: the most runs and tokens seen in
   flight with no wait are kept, and the budget may be twice those tokens in the tokens'
-  slow start, :data:`HEADROOM` times them after it (:meth:`LearnedCapacity._started`
+  slow start, :data:`HEADROOM` times them after it (:meth:`LearnedCapacity._end_slow_start`
   says when it ends), under the ceiling (``latency_room``);
 - a run that waited came when too much was in flight. What explains it is lowered:
   the tokens, if more were in flight than ever safely (the ceiling drops to what was
@@ -117,6 +117,8 @@ TOLERANCE = 4.0
 CONFIRM_AFTER = 2.5
 #: How much more than the most tokens seen in flight safely the budget lets in (latency).
 HEADROOM = 1.25
+#: The same in the tokens' slow start (:meth:`LearnedCapacity._end_slow_start`).
+SLOW_START_HEADROOM = 2.0
 #: Looks, and runs' times, with no queue after which a mark is forgotten.
 FORGET_AFTER = 50
 FORGET_RUNS = 4
@@ -511,9 +513,9 @@ class LearnedCapacity:
         self.safe_runs = max(self.safe_runs, sample.in_flight)
         if not self.counts_tokens or not self.safe:
             return None
-        started = self._started()
+        ended = self._end_slow_start()
         budget = self.safe * self._headroom()
-        if self.budget != math.inf and not started:
+        if self.budget != math.inf and not ended:
             budget = max(self.budget, budget)
         return self._moved("latency_room", self.limit, budget, now)
 
@@ -545,7 +547,7 @@ class LearnedCapacity:
         granted since the last rise still without a first token, not yet told to wait.
         While runs wait and the pool is full, what binds it grows (module docstring)."""
         self._forget(now)
-        if self._started(idle=not queued) and self.counts_tokens and self.safe:
+        if self._end_slow_start(idle=not queued) and self.counts_tokens and self.safe:
             budget = min(self.budget, max(self.safe, reserved) * HEADROOM)
             return self._moved("latency_room", self.limit, budget, now, rise=False)
         if not queued or now - self._dropped_at < self.interval:
@@ -576,16 +578,17 @@ class LearnedCapacity:
 
     def _headroom(self) -> float:
         """How far past the most tokens seen in flight safely the budget may go: double
-        in the tokens' slow start, then :data:`HEADROOM`."""
-        return 2.0 if self._starting else HEADROOM
+        (:data:`SLOW_START_HEADROOM`) in the tokens' slow start, then :data:`HEADROOM`."""
+        return SLOW_START_HEADROOM if self._starting else HEADROOM
 
-    def _started(self, *, idle: bool = False) -> bool:
-        """Whether the tokens' slow start ended just now: tokens made a run wait, a run
-        ended, or no run waits for the pool (``idle``: the load, not the budget, bounds
-        what is in flight, so the doubled headroom is untested, as TCP's window is not
-        grown while the sender has too little to send, RFC 7661). Once only: the budget
-        falls back to :data:`HEADROOM` times what was safe, so a load that shifts to
-        larger runs does not come in on the headroom the first runs left."""
+    def _end_slow_start(self, *, idle: bool = False) -> bool:
+        """End the tokens' slow start if it is due, and say whether it ended just now
+        (True once only): tokens made a run wait, a run ended, or no run waits for the
+        pool (``idle``: the load, not the budget, bounds what is in flight, so the doubled
+        headroom is untested, as TCP's window is not grown while the sender has too
+        little to send, RFC 7661). The budget then falls back to :data:`HEADROOM` times
+        what was safe, so a load that shifts to larger runs does not come in on the
+        headroom the first runs left."""
         ended = idle and self.safe > 0 and self.budget != math.inf
         if self._starting and (ended or self.token_mark != math.inf or self.run_time > 0):
             self._starting = False
