@@ -52,7 +52,7 @@ $(FLOOR)/.installed: pyproject.toml
 	touch $@
 
 test-floor: $(FLOOR)/.installed
-	@echo "floors under test:" $$(grep -E '^(trio|trio-websocket|wsproto|attrs|protobuf|httpx|httpcore|cattrs|pyyaml|prometheus-client|hypercorn|opentelemetry-api|opentelemetry-sdk|opentelemetry-exporter-otlp-proto-http|pytest|pytest-trio|hypothesis|h11|trustme|openai)==' $(FLOOR)/floor.txt)
+	@echo "floors under test:" $$(grep -E '^(trio|trio-websocket|wsproto|attrs|protobuf|httpx|h11|cattrs|pyyaml|prometheus-client|hypercorn|opentelemetry-api|opentelemetry-sdk|opentelemetry-exporter-otlp-proto-http|pytest|pytest-trio|hypothesis|h11|trustme|openai)==' $(FLOOR)/floor.txt)
 	$(FLOOR)/bin/python -m pytest -q -p no:cacheprovider -m "not faults"
 
 ## proto: regenerate iop_trio/_gen from proto/

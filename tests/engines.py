@@ -27,6 +27,7 @@ import itertools
 import json
 import math
 import socket
+import ssl
 import struct
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
@@ -344,14 +345,21 @@ class EngineServer:
 
 
 @asynccontextmanager
-async def serve() -> AsyncIterator[EngineServer]:
-    """An :class:`EngineServer` on 127.0.0.1 (a free port) for the body of the ``with``."""
+async def serve(tls: ssl.SSLContext | None = None) -> AsyncIterator[EngineServer]:
+    """An :class:`EngineServer` on 127.0.0.1 (a free port) for the body of the ``with``;
+    over TLS with the server context ``tls``."""
     server = EngineServer()
     async with trio.open_nursery() as nursery:
-        listeners: list[trio.SocketListener] = await nursery.start(
-            partial(trio.serve_tcp, server._serve, 0, host="127.0.0.1")
-        )
-        server.port = listeners[0].socket.getsockname()[1]
+        if tls is None:
+            listeners: list[trio.SocketListener] = await nursery.start(
+                partial(trio.serve_tcp, server._serve, 0, host="127.0.0.1")
+            )
+            server.port = listeners[0].socket.getsockname()[1]
+        else:
+            secure: list[trio.SSLListener[trio.SocketStream]] = await nursery.start(
+                partial(trio.serve_ssl_over_tcp, server._serve, 0, tls, host="127.0.0.1")
+            )
+            server.port = secure[0].transport_listener.socket.getsockname()[1]
         try:
             yield server
         finally:

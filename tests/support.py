@@ -7,17 +7,16 @@ import math
 import os
 import stat
 import subprocess
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import attrs
-import httpcore
 import pytest
 import trio
 
-from iop_trio.adapters import one_send
+from iop_trio.adapters._http import HTTPAdapter
 from iop_trio.adapters.base import (
     Adapter,
     AdapterError,
@@ -29,7 +28,6 @@ from iop_trio.adapters.base import (
     Usage,
 )
 from iop_trio.adapters.echo import EchoAdapter
-from iop_trio.adapters.openai import OpenAIAdapter
 from iop_trio.store import RunStore, StoreHealth
 
 
@@ -199,60 +197,49 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-# --- the sends of an HTTP adapter's requests (adapters/one_send.py) ---------------------
+# --- the sends of an HTTP adapter's requests (adapters/engine_http.py) ------------------
 
 
-class CountedStream(httpcore.AsyncNetworkStream):
-    """An httpcore stream that notes the size of each non-empty write (a send)."""
+class CountedStream(trio.abc.Stream):
+    """A Trio stream that notes the size of each send; otherwise the stream it wraps
+    (its ``socket`` too, so the pool still sees an idle connection the engine closed)."""
 
-    def __init__(self, stream: httpcore.AsyncNetworkStream, writes: list[int]) -> None:
+    def __init__(self, stream: trio.SocketStream, writes: list[int]) -> None:
         self._stream, self._writes = stream, writes
+        self.socket = stream.socket
 
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109 (httpcore's interface)
-        if buffer:  # httpcore's own streams skip an empty write (a body's end)
-            self._writes.append(len(buffer))
-        await self._stream.write(buffer, timeout)
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self._writes.append(len(data))
+        await self._stream.send_all(data)
 
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109 (httpcore's interface)
-        return await self._stream.read(max_bytes, timeout)
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._stream.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self._stream.receive_some(max_bytes)
 
     async def aclose(self) -> None:
         await self._stream.aclose()
 
-    def get_extra_info(self, info: str) -> Any:
-        return self._stream.get_extra_info(info)
+
+@attrs.define
+class SendCounter:
+    """The sizes of the sends on the connections an adapter's pool opened from now on."""
+
+    writes: list[int] = attrs.field(factory=list)
+    connections: int = 0
 
 
-class CountingBackend(httpcore.AsyncNetworkBackend):
-    """Counts the writes of its streams: the sends a request costs."""
+def count_sends(adapter: HTTPAdapter) -> SendCounter:
+    """Count the sends of the connections ``adapter``'s own pool opens from now on (its
+    connector replaced by one that opens TCP streams and counts their sends)."""
+    pool = adapter.engine_pool
+    assert pool is not None, "the adapter sends its runs through httpx"
+    counter = SendCounter()
 
-    def __init__(self, backend: httpcore.AsyncNetworkBackend) -> None:
-        self._backend = backend
-        self.writes: list[int] = []
+    async def connect(host: str, port: int) -> trio.abc.Stream:
+        counter.connections += 1
+        return CountedStream(await trio.open_tcp_stream(host, port), counter.writes)
 
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,  # noqa: ASYNC109 (httpcore's interface)
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        stream = await self._backend.connect_tcp(host, port, timeout, local_address, socket_options)
-        return CountedStream(stream, self.writes)
-
-    async def sleep(self, seconds: float) -> None:
-        await self._backend.sleep(seconds)
-
-
-def count_sends(adapter: OpenAIAdapter) -> CountingBackend:
-    """Count the sends of ``adapter``'s own pool, under what it installed."""
-    adapter.client  # noqa: B018  (made on first use)
-    pool = adapter._transport._pool  # type: ignore[union-attr]
-    backend = pool._network_backend
-    if isinstance(backend, one_send.OneSendBackend):
-        counting = CountingBackend(backend._backend)
-        backend._backend = counting
-    else:
-        counting = pool._network_backend = CountingBackend(backend)
-    return counting
+    pool.connector = connect
+    return counter

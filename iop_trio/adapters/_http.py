@@ -1,9 +1,11 @@
-"""Shared HTTP plumbing of the engine adapters (``ollama``, ``openai``), over httpx on trio.
+"""Shared HTTP plumbing of the engine adapters (``ollama``, ``openai``) on trio.
 
-:class:`HTTPAdapter` owns one ``httpx.AsyncClient`` per adapter instance and
-turns every way an HTTP exchange can go wrong into an :class:`AdapterError`
-whose message names the engine URL and the model; the table of those ways is in
-:mod:`.http_errors`, which holds the mapping.
+:class:`HTTPAdapter` sends a run's request on its own kept-alive h11 connections
+(:mod:`.engine_http`), and everything else (the probes, the models list, the metrics
+scrape) through one ``httpx.AsyncClient`` per adapter instance; it turns every way
+an HTTP exchange can go wrong into an :class:`AdapterError` whose message names the
+engine URL and the model; the table of those ways is in :mod:`.http_errors`, which
+holds the mapping (the h11 path raises httpx's exceptions, so one table serves both).
 
 The stream formats (NDJSON lines, server-sent events) are parsed by the
 sans-IO :class:`~.stream_formats.LineSplitter` and
@@ -23,8 +25,8 @@ import httpx
 import trio
 
 from ..model import Capabilities, field_check, redact_url, seconds_problem
-from . import one_send
 from .base import Adapter, AdapterError, AdapterRequest, Chunk
+from .engine_http import EnginePool, Exchange, encode_json, open_exchange, parse_url
 from .http_errors import json_error, parse_json, quote, status_error, transport_error
 from .stream_formats import MAX_LINE
 
@@ -84,40 +86,54 @@ class HTTPSettings:
     trust_env: bool = False
 
 
-class EngineResponse:
-    """A streamed 2xx response being read; every httpx error becomes an AdapterError.
+class EngineResponse(abc.ABC):
+    """A response being read, its body streamed; every fault is an AdapterError whose
+    message starts with ``where`` (engine, URL, model).
 
-    ``where`` (engine, URL, model) prefixes every message.
+    Two ways in: :class:`H11Response` (a run's stream on the adapter's own
+    :class:`~.engine_http.EnginePool`) and :class:`HttpxResponse` (httpx: the probes, and
+    a run's stream on an injected client or one that follows the environment's proxies).
+    Header names are looked up in lower case.
     """
 
-    def __init__(self, response: httpx.Response, where: str, timeout: httpx.Timeout) -> None:
-        self.response = response
+    def __init__(
+        self,
+        where: str,
+        timeout: httpx.Timeout,
+        *,
+        status_code: int,
+        reason_phrase: str,
+        headers: Mapping[str, str],
+    ) -> None:
         self.where = where
-        self._timeout = timeout
-        coding = response.headers.get("content-encoding", "").strip().lower()
-        # the raw bytes when there is nothing to decode: the same bytes, two generator
-        # layers fewer a chunk (an engine writes one a token)
-        plain = coding in ("", "identity")
-        self._chunks = response.aiter_raw() if plain else response.aiter_bytes()
-        self.received = 0  # body bytes so far
+        self.timeout = timeout
+        self.status_code = status_code
+        self.reason_phrase = reason_phrase
+        self.headers = headers
+        self.received = 0  # body bytes so far, decoded
 
     def __repr__(self) -> str:
-        return (
-            f"<EngineResponse {self.where} HTTP {self.response.status_code} read={self.received}>"
-        )
+        return f"<{type(self).__name__} {self.where} HTTP {self.status_code} read={self.received}>"
+
+    @property
+    def is_success(self) -> bool:
+        return 200 <= self.status_code < 300
 
     @property
     def content_type(self) -> str:
-        return str(self.response.headers.get("content-type", "")).lower()
+        return str(self.headers.get("content-type", "")).lower()
+
+    @abc.abstractmethod
+    async def receive(self) -> bytes:
+        """The next piece of the body as it came (decoded); ``b""`` at its end; httpx's
+        exception for a fault."""
 
     async def read(self) -> bytes:
         """The next piece of the body; ``b""`` at its end."""
         try:
-            data = await anext(self._chunks)
-        except StopAsyncIteration:
-            return b""
+            data = await self.receive()
         except httpx.HTTPError as exc:
-            raise transport_error(exc, self.where, self._timeout, streaming=True) from exc
+            raise transport_error(exc, self.where, self.timeout, streaming=True) from exc
         self.received += len(data)
         return data
 
@@ -143,8 +159,56 @@ class EngineResponse:
             except AdapterError:
                 pass
 
+    @abc.abstractmethod
     async def aclose(self) -> None:
-        """Close the response (and its connection, if unfinished), even when cancelled."""
+        """Close the response (and its connection, if unfinished), even when cancelled;
+        never raises."""
+
+
+class H11Response(EngineResponse):
+    """A response on the adapter's own pool (:mod:`.engine_http`): each read is one
+    network read's body bytes; closing puts a connection whose exchange ended back."""
+
+    def __init__(self, exchange: Exchange, where: str, timeout: httpx.Timeout) -> None:
+        super().__init__(
+            where,
+            timeout,
+            status_code=exchange.status,
+            reason_phrase=exchange.reason,
+            headers=exchange.headers,
+        )
+        self.exchange = exchange
+
+    async def receive(self) -> bytes:
+        return await self.exchange.read()
+
+    async def aclose(self) -> None:
+        await self.exchange.aclose()
+
+
+class HttpxResponse(EngineResponse):
+    """A response read through httpx (raw bytes when there is nothing to decode)."""
+
+    def __init__(self, response: httpx.Response, where: str, timeout: httpx.Timeout) -> None:
+        super().__init__(
+            where,
+            timeout,
+            status_code=response.status_code,
+            reason_phrase=response.reason_phrase,
+            headers=response.headers,
+        )
+        self.response = response
+        coding = response.headers.get("content-encoding", "").strip().lower()
+        plain = coding in ("", "identity")
+        self._chunks = response.aiter_raw() if plain else response.aiter_bytes()
+
+    async def receive(self) -> bytes:
+        try:
+            return await anext(self._chunks)
+        except StopAsyncIteration:
+            return b""
+
+    async def aclose(self) -> None:
         with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
             try:
                 aclose = getattr(self._chunks, "aclose", None)
@@ -207,9 +271,10 @@ class HTTPAdapter(Adapter):
         )
         self._client = client
         self._owns_client = client is None
-        # the pool under the client this adapter made, which routes every URL to it (no
-        # proxies from the environment): a run's request goes to it straight
-        self._transport: httpx.AsyncHTTPTransport | None = None
+        #: where a run's stream goes (:mod:`.engine_http`): the adapter's own kept-alive
+        #: h11 connections; None with an injected client or ``trust_env`` (a proxy the
+        #: environment names), whose runs go through httpx
+        self.engine_pool = EnginePool() if client is None and not settings.trust_env else None
 
     def __repr__(self) -> str:
         cap = self.capabilities.max_concurrency
@@ -229,37 +294,22 @@ class HTTPAdapter(Adapter):
         """The shared client (made on first use, again after :meth:`aclose`)."""
         if self._client is None or (self._owns_client and self._client.is_closed):
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
-            if self.settings.trust_env:  # the client picks a proxy a URL
-                self._client = httpx.AsyncClient(
-                    timeout=self.timeout, limits=limits, trust_env=True
-                )
-            else:
-                self._transport = one_send.install(httpx.AsyncHTTPTransport(limits=limits))
-                self._client = httpx.AsyncClient(
-                    timeout=self.timeout, transport=self._transport, trust_env=False
-                )
+            self._client = httpx.AsyncClient(
+                timeout=self.timeout, limits=limits, trust_env=self.settings.trust_env
+            )
             self._owns_client = True
         return self._client
 
     async def aclose(self) -> None:
-        """Close the client this adapter made (an injected one is left open)."""
+        """Close the client this adapter made (an injected one is left open) and the idle
+        connections of its pool (a new pool, with the same connector, takes the next run)."""
+        if self.engine_pool is not None:
+            pool = self.engine_pool
+            self.engine_pool = EnginePool(connector=pool.connector)
+            await pool.aclose()
         if self._client is not None and self._owns_client:
-            client, self._client, self._transport = self._client, None, None
-            await client.aclose()  # and its transport
-
-    async def _send_streamed(
-        self, client: httpx.AsyncClient, request: httpx.Request
-    ) -> httpx.Response:
-        """``client.send(request, stream=True)``; for the client this adapter made, straight
-        to its transport: the same request (built by the client: headers, timeouts) and
-        the same pool, without the client's auth, redirect, cookie and logging layers,
-        which this adapter does not use and which cost about 0.3 ms of CPU a request."""
-        transport = self._transport  # set only with the client this adapter made
-        if transport is None:
-            return await client.send(request, stream=True)
-        response = await transport.handle_async_request(request)
-        response.request = request
-        return response
+            client, self._client = self._client, None
+            await client.aclose()
 
     def where(self, url: str, model: str) -> str:
         """How messages name an engine endpoint and model."""
@@ -378,7 +428,7 @@ class HTTPAdapter(Adapter):
         try:
             with trio.move_on_after(PROBE_TIMEOUT) as scope:
                 async with self._post_plain(url, self.probe_body(body), where) as plain:
-                    status = plain.response.status_code
+                    status = plain.status_code
         except AdapterError as exc:
             return AdapterError(
                 exc.reason,
@@ -458,9 +508,9 @@ class HTTPAdapter(Adapter):
             response = await client.send(http_request, stream=True)
         except (httpx.NetworkError, httpx.RemoteProtocolError):
             response = await client.send(http_request, stream=True)
-        plain = EngineResponse(response, where, timeout)
+        plain = HttpxResponse(response, where, timeout)
         try:
-            if not response.is_success:
+            if not plain.is_success:
                 await self._raise_status(plain)
             yield plain
         finally:
@@ -470,17 +520,56 @@ class HTTPAdapter(Adapter):
     async def post_stream(
         self, url: str, body: Mapping[str, Any], request: AdapterRequest
     ) -> AsyncIterator[EngineResponse]:
-        """POST ``body`` as JSON and yield the 2xx response, streamed.
+        """POST ``body`` as JSON and yield the 2xx response, streamed: on the adapter's
+        own pool (:attr:`engine_pool`), else through httpx.
 
         Raises AdapterError for transport faults and non-2xx statuses (after
         reading up to :data:`MAX_ERROR_BODY` of the body for the engine's
-        message). The response is closed before this returns, whatever the
-        way out, cancellation included.
+        message); ``invalid_params`` for a value JSON or a header cannot carry. The
+        response is closed before this returns, whatever the way out, cancellation
+        included.
         """
         where = self.where(url, request.model)
-        client = self.client
         headers = self.request_headers()
         headers.update(request.headers)  # the run's trace context
+        if self.engine_pool is None:
+            engine = await self._send_httpx(url, body, headers, where)
+        else:
+            engine = await self._send_h11(self.engine_pool, url, body, headers, where)
+        try:
+            if not engine.is_success:
+                await self._raise_status(engine)
+            yield engine
+        finally:
+            await engine.aclose()
+
+    async def _send_h11(
+        self,
+        pool: EnginePool,
+        url: str,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str],
+        where: str,
+    ) -> EngineResponse:
+        try:
+            payload = encode_json(body)
+            for name, value in headers.items():
+                name.encode("ascii")
+                value.encode("ascii")  # as httpx sends a header
+        except (TypeError, ValueError) as exc:  # a param value JSON cannot carry
+            raise AdapterError(
+                "invalid_params", f"{where}: cannot send the request: {exc}"
+            ) from exc
+        try:
+            exchange = await open_exchange(pool, parse_url(url), headers, payload, self.timeout)
+        except httpx.HTTPError as exc:
+            raise transport_error(exc, where, self.timeout, streaming=False) from exc
+        return H11Response(exchange, where, self.timeout)
+
+    async def _send_httpx(
+        self, url: str, body: Mapping[str, Any], headers: Mapping[str, str], where: str
+    ) -> EngineResponse:
+        client = self.client
         try:
             http_request = client.build_request(
                 "POST", url, json=body, headers=headers, timeout=self.timeout
@@ -490,16 +579,10 @@ class HTTPAdapter(Adapter):
                 "invalid_params", f"{where}: cannot send the request: {exc}"
             ) from exc
         try:
-            response = await self._send_streamed(client, http_request)
+            response = await client.send(http_request, stream=True)
         except httpx.HTTPError as exc:
             raise transport_error(exc, where, self.timeout, streaming=False) from exc
-        engine = EngineResponse(response, where, self.timeout)
-        try:
-            if not response.is_success:
-                await self._raise_status(engine)
-            yield engine
-        finally:
-            await engine.aclose()
+        return HttpxResponse(response, where, self.timeout)
 
     async def _raise_status(self, engine: EngineResponse) -> NoReturn:
         body = b""
@@ -508,11 +591,10 @@ class HTTPAdapter(Adapter):
                 body += data
         except AdapterError:
             pass  # the status says enough
-        response = engine.response
         raise status_error(
-            response.status_code,
-            response.reason_phrase,
+            engine.status_code,
+            engine.reason_phrase,
             body[:MAX_ERROR_BODY],
             engine.where,
-            retry_after=response.headers.get("retry-after"),
+            retry_after=engine.headers.get("retry-after"),
         )

@@ -426,8 +426,9 @@ async def test_concurrency_auto_learns_from_the_real_engine(llama_server, tmp_pa
 async def test_each_engine_request_goes_in_one_send_and_the_real_engine_answers_it(
     llama_server,
 ):
-    """issue 23: the node writes a request's head and body in one send (adapters/one_send.py)
-    and the real server serves two runs so on one kept-alive connection."""
+    """issues 23 and 31: a run's request goes in one send, head and body together, on the
+    adapter's own h11 path (adapters/engine_http.py), and the real server serves two runs
+    so on one kept-alive connection."""
     adapter = OpenAIAdapter(
         "llama", OpenAISettings(base_url=llama_server, read_timeout=RUN_TIMEOUT)
     )
@@ -441,3 +442,4 @@ async def test_each_engine_request_goes_in_one_send_and_the_real_engine_answers_
             assert record.status is RunStatus.SUCCEEDED, record.message
             assert text_of(events).strip()
     assert len(sends.writes) == 2, sends.writes  # one a request
+    assert sends.connections == 1  # the second run on the kept-alive connection
