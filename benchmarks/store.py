@@ -1,6 +1,6 @@
 """Run store throughput: events appended per second, and SQLite's group commit.
 
-    python benchmarks/store.py [--events N] [--runs N]
+    python benchmarks/store.py [--events N] [--runs N] [--rev REV]
 
 For each store, N DELTA events are appended (each ``append`` returns once the
 event is durable), either by 1 task into one run or by 64 concurrent tasks,
@@ -14,11 +14,16 @@ delay, submitted and watched to their end by C = 1 or 16 tasks), with each
 store: per run, the store's commits, the process's CPU time (every thread:
 the SQLite writer's too) and wall time. The MemoryStore row is the baseline
 measured in the same run: what a run costs the node without a disk.
+
+``--rev REV`` measures a committed revision's ``iop_trio`` (``git archive`` into a
+temporary folder, first on PYTHONPATH), as relay.py's ``--rev`` does, so a before/after
+comparison in one sitting needs no checkout.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sqlite3
 import sys
 import tempfile
@@ -29,8 +34,12 @@ from typing import Literal
 
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# after PYTHONPATH, so --rev's exported code is the one imported
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 
+from relay import REV_ENV, run_at_rev
+
+import iop_trio
 from iop_trio.adapters.echo import EchoAdapter
 from iop_trio.lifecycle import RunState
 from iop_trio.model import RunSpec, RunStatus, TargetSpec
@@ -148,6 +157,8 @@ async def main(events: int, runs: int) -> None:
     print(
         f"python {sys.version.split()[0]}, trio {trio.__version__}, sqlite {sqlite3.sqlite_version}"
     )
+    package = Path(iop_trio.__file__).parent
+    print(f"iop_trio from {package} ({os.environ.get(REV_ENV, 'the working tree')})")
     columns = ("store", "writers", "events", "events/s", "commits", "mean batch")
     print("{:<20} {:>7} {:>7} {:>11} {:>8} {:>11}".format(*columns))
     for name, writers, n, rate, commits, batch in rows:
@@ -167,5 +178,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=6400, help="events per measurement")
     parser.add_argument("--runs", type=int, default=2000, help="whole runs a row (0: none)")
+    parser.add_argument("--rev", help="measure this git revision's iop_trio instead")
     args = parser.parse_args()
+    if args.rev:
+        sys.exit(run_at_rev(args.rev, sys.argv[1:], Path(__file__)))
     trio.run(main, args.events, args.runs)

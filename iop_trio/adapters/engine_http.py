@@ -8,18 +8,19 @@ Semantics:
 
 - **A pool per adapter**, of idle connections by origin (scheme, host, port), at most
   :data:`MAX_IDLE` of them an origin; a connection is taken out for a request and put
-  back only when its exchange ended cleanly (h11 says both sides are done and may go
-  on); any error, a cancel, a response left half read or an engine that said
-  ``Connection: close`` (or answered HTTP/1.0) closes it instead.
+  back only when its exchange ended cleanly (the whole body read, nothing after it, an
+  HTTP/1.1 answer without ``Connection: close``); any error, a cancel, a response left
+  half read, a body that ends at the close or an HTTP/1.0 answer closes it instead.
 - **An idle connection the engine closed** (its keep-alive timeout) is seen before
   reuse (its socket is readable: an EOF or bytes nobody asked for) and dropped. A
   request on a reused connection that fails before a byte of its response (the engine
   closed it as the request went) goes once more on a new connection.
 - **One send a request**: head and JSON body together (``Accept-Encoding: identity``).
-- **Whole reads**: :meth:`Exchange.read` returns the body bytes of one network read
-  (up to :data:`READ_SIZE`), every h11 ``Data`` event in it joined, so the stream
-  formats parse per read, not per event. Chunked, content-length and close-delimited
-  (HTTP/1.0) bodies are h11's. A body the engine encoded anyway (``gzip``,
+- **Whole reads**: h11 writes the request and reads the response's head; the body's
+  framing (chunked, content-length, or until the close) is undone by
+  :mod:`.http_body`, a whole network read (up to :data:`READ_SIZE`) at a time, so
+  :meth:`Exchange.read` returns every chunk of a read joined and the stream formats
+  parse per read, not per event. A body the engine encoded anyway (``gzip``,
   ``deflate``) is decoded; another encoding is ``bad_response``.
 - **Errors are httpx's**: every fault is raised as the httpx exception httpx would
   raise for it (``ConnectError``, ``ReadTimeout``, ``RemoteProtocolError``...), so
@@ -47,6 +48,7 @@ import httpx
 import trio
 
 from .. import __version__
+from .http_body import Body, BodyError, UntilClose, body_for
 
 #: The most idle connections kept an origin.
 MAX_IDLE = 32
@@ -121,13 +123,10 @@ class EngineConnection:
             return False
         return not readable
 
-    def reusable(self) -> bool:
-        """After an exchange: whether h11 lets this connection carry another (both sides
-        done, no ``Connection: close``); if so its next cycle has begun."""
-        if self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:
-            self.h11.start_next_cycle()
-            return True
-        return False
+    def next_cycle(self) -> None:
+        """After an exchange that leaves the connection reusable: a fresh h11 state for
+        the next request (h11 read only the last one's head; :mod:`.http_body` its body)."""
+        self.h11 = h11.Connection(h11.CLIENT)
 
     async def aclose(self) -> None:
         """Close the stream, within :data:`CLOSE_TIMEOUT`, even when cancelled."""
@@ -172,10 +171,11 @@ class EnginePool:
         return None
 
     def put_back(self, conn: EngineConnection) -> bool:
-        """Keep ``conn`` for the next request if its exchange let it (True), else close
-        it (False, and the caller closes it)."""
-        if self.closed or not conn.reusable():
+        """Keep ``conn``, whose exchange ended cleanly and kept it alive, for the next
+        request (True); False if the pool is closed (the caller closes it)."""
+        if self.closed:
             return False
+        conn.next_cycle()
         idle = self._idle[conn.origin]
         idle.append(conn)
         while len(idle) > self._max_idle:
@@ -319,20 +319,18 @@ class Exchange:
         self.http_version = ""
         self.headers: dict[str, str] = {}  # names in lower case
         self.received = 0  # bytes read from the socket, head included
+        self.keep_alive = False  # the engine lets another request follow on this connection
         self._decoder: BodyDecoder | None = None
-        self._ended = False  # the whole body was read
-        self._fault: httpx.RemoteProtocolError | None = None  # found after bytes it gave
+        self._body: Body | None = None  # the body's framing
+        self._pending = b""  # body bytes that came with the head
+        self._eof = False  # the engine closed the connection
         self._closed = False
 
     def __repr__(self) -> str:
         return (
-            f"<Exchange HTTP {self.status} received={self.received} ended={self._ended} "
+            f"<Exchange HTTP {self.status} received={self.received} ended={self.ended} "
             f"on {self.conn!r}>"
         )
-
-    @property
-    def ended(self) -> bool:
-        return self._ended
 
     async def send(self, data: bytes) -> None:
         """Write the request in one send, within the write timeout."""
@@ -346,8 +344,8 @@ class Exchange:
         assert bounded.cancelled_caught
         raise httpx.WriteTimeout(f"could not send within {self.timeout.write}s")
 
-    async def _receive(self) -> None:
-        """One read from the socket into h11, within the read timeout (b"" at EOF)."""
+    async def _receive(self) -> bytes:
+        """One read from the socket, within the read timeout (b"" at EOF)."""
         with trio.move_on_after(_seconds(self.timeout.read)) as bounded:
             try:
                 data = await self.conn.stream.receive_some(READ_SIZE)
@@ -356,7 +354,7 @@ class Exchange:
         if bounded.cancelled_caught:
             raise httpx.ReadTimeout(f"no data within {self.timeout.read}s")
         self.received += len(data)
-        self.conn.h11.receive_data(bytes(data))
+        return bytes(data)
 
     def _next_event(self) -> Any:
         try:
@@ -365,67 +363,79 @@ class Exchange:
             raise httpx.RemoteProtocolError(str(exc)) from exc
 
     async def receive_head(self) -> None:
-        """Read up to the response's head (1xx answers are skipped)."""
+        """Read up to the response's head (1xx answers are skipped); the bytes after it
+        go to the body's framing (:func:`~.http_body.body_for`)."""
         while True:
             event = self._next_event()
             if event is h11.NEED_DATA:
-                await self._receive()
+                self.conn.h11.receive_data(await self._receive())
             elif isinstance(event, h11.Response):
-                self.status = event.status_code
-                self.reason = event.reason.decode("latin-1")
-                self.http_version = event.http_version.decode("latin-1")
-                self.headers = {
-                    name.decode("latin-1"): value.decode("latin-1") for name, value in event.headers
-                }
-                coding = self.headers.get("content-encoding", "").strip().lower()
-                self._decoder = BodyDecoder(coding)
+                self._took_head(event)
                 return
             elif isinstance(event, h11.ConnectionClosed):
                 raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
             # an InformationalResponse (100 Continue): the real one follows
 
+    def _took_head(self, event: h11.Response) -> None:
+        self.status = event.status_code
+        self.reason = event.reason.decode("latin-1")
+        self.http_version = event.http_version.decode("latin-1")
+        self.headers = {
+            name.decode("latin-1"): value.decode("latin-1") for name, value in event.headers
+        }
+        coding = self.headers.get("content-encoding", "").strip().lower()
+        self._decoder = BodyDecoder(coding)
+        self._body = body = body_for(self.status, self.headers)
+        tokens = {t.strip().lower() for t in self.headers.get("connection", "").split(",")}
+        self.keep_alive = (
+            self.http_version == "1.1"
+            and "close" not in tokens
+            and not isinstance(body, UntilClose)
+        )
+        rest, closed = self.conn.h11.trailing_data
+        self._pending = self._feed(bytes(rest)) if rest else b""
+        self._eof = closed
+
+    def _feed(self, data: bytes) -> bytes:
+        """The body bytes in ``data`` (``b""``: the engine closed the connection)."""
+        assert self._body is not None
+        try:
+            if data:
+                return self._body.feed(data)
+            self._body.eof()
+        except BodyError as exc:
+            raise httpx.RemoteProtocolError(str(exc)) from exc
+        return b""
+
     async def read(self) -> bytes:
         """The body bytes of the next network read, decoded; ``b""`` at the body's end.
 
-        A fault h11 finds in a read (a bad chunk size, the engine closing mid-body) is
+        A fault in the framing (a bad chunk size, the engine closing mid-body) is
         raised by the read after the one that returns the body bytes before it, so
         nothing the engine sent whole is lost to a fault behind it.
         """
         assert self._decoder is not None, "read before the head"
-        while not self._ended:
-            if self._fault is not None:
-                raise self._fault
-            data = self._decoder.decode(await self._gather())
-            if self._ended:
+        assert self._body is not None
+        while self._pending or not self._body.done:
+            if self._pending:
+                data, self._pending = self._pending, b""
+            elif self._body.fault is not None or self._eof:
+                data = self._feed(b"")  # raises, unless a close ends the body
+            else:
+                raw = await self._receive()
+                self._eof = not raw
+                data = self._feed(raw) if raw else b""
+            data = self._decoder.decode(data)
+            if self._body.done and not self._pending:
                 data += self._decoder.flush()
             if data:
                 return data
         return b""
 
-    async def _gather(self) -> bytes:
-        """The body bytes h11 gives up to its next need of data (reading once if it has
-        none), or to the body's end; a fault after some bytes is kept for the next read."""
-        parts: list[bytes] = []
-        while True:
-            try:
-                event = self._next_event()
-            except httpx.RemoteProtocolError as exc:
-                if not parts:
-                    raise
-                self._fault = exc
-                break
-            if event is h11.NEED_DATA:
-                if parts:
-                    break
-                await self._receive()
-            elif isinstance(event, h11.Data):
-                parts.append(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                self._ended = True
-                break
-            else:  # ConnectionClosed mid-body is h11's error, not an event
-                raise httpx.RemoteProtocolError(f"unexpected {type(event).__name__}")
-        return b"".join(parts)
+    @property
+    def ended(self) -> bool:
+        """The whole body was read."""
+        return self._body is not None and self._body.done
 
     async def aclose(self) -> None:
         """Give the connection back to the pool if the exchange ended cleanly, else close
@@ -433,7 +443,9 @@ class Exchange:
         if self._closed:
             return
         self._closed = True
-        if not (self._ended and self.pool.put_back(self.conn)):
+        extra = self._pending or (self._body is not None and self._body.extra)
+        reusable = self.ended and self.keep_alive and not extra
+        if not (reusable and self.pool.put_back(self.conn)):
             await self.conn.aclose()
 
 
