@@ -357,3 +357,14 @@ async def test_every_split_and_ending_gives_the_stream_or_a_clear_failure(
     # every event whole before the fault is stored, none after it
     before = wire.body_before(fault)
     assert stored == "".join(p for p, end in zip(pieces, ends, strict=True) if end <= before)
+
+
+async def test_a_header_that_is_not_ascii_is_invalid_params_before_any_connection():
+    adapter = OpenAIAdapter(
+        "o", OpenAISettings(base_url="http://engine.test:8000", headers={"x-who": "é"})
+    )
+    assert adapter.engine_pool is not None
+    sends = count_sends(adapter)
+    error = await failure(adapter, REQUEST)
+    assert (error.reason, sends.connections) == ("invalid_params", 0)
+    assert "cannot send the request" in error.message

@@ -26,7 +26,14 @@ import trio
 
 from ..model import Capabilities, field_check, redact_url, seconds_problem
 from .base import Adapter, AdapterError, AdapterRequest, Chunk
-from .engine_http import EnginePool, Exchange, encode_json, open_exchange, parse_url
+from .engine_http import (
+    EnginePool,
+    Exchange,
+    encode_headers,
+    encode_json,
+    open_exchange,
+    parse_url,
+)
 from .http_errors import json_error, parse_json, quote, status_error, transport_error
 from .stream_formats import MAX_LINE
 
@@ -553,15 +560,13 @@ class HTTPAdapter(Adapter):
     ) -> EngineResponse:
         try:
             payload = encode_json(body)
-            for name, value in headers.items():
-                name.encode("ascii")
-                value.encode("ascii")  # as httpx sends a header
-        except (TypeError, ValueError) as exc:  # a param value JSON cannot carry
+            head = encode_headers(headers)
+        except (TypeError, ValueError) as exc:  # a value JSON or a header cannot carry
             raise AdapterError(
                 "invalid_params", f"{where}: cannot send the request: {exc}"
             ) from exc
         try:
-            exchange = await open_exchange(pool, parse_url(url), headers, payload, self.timeout)
+            exchange = await open_exchange(pool, parse_url(url), head, payload, self.timeout)
         except httpx.HTTPError as exc:
             raise transport_error(exc, where, self.timeout, streaming=False) from exc
         return H11Response(exchange, where, self.timeout)

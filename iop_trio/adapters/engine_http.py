@@ -106,10 +106,8 @@ class EngineConnection:
         self.requests = 0  # sent on this connection so far
 
     def __repr__(self) -> str:
-        return (
-            f"<EngineConnection {self.origin.host}:{self.origin.port} requests={self.requests} "
-            f"ours={self.h11.our_state} theirs={self.h11.their_state}>"
-        )
+        where = f"{self.origin.scheme}://{self.origin.host}:{self.origin.port}"
+        return f"<EngineConnection {where} requests={self.requests}>"
 
     def idle_and_open(self) -> bool:
         """Whether this idle connection can take a request: the engine has not closed it
@@ -245,10 +243,19 @@ def _seconds(value: float | None) -> float:
     return float("inf") if value is None else value
 
 
-def request_bytes(
-    conn: EngineConnection, url: httpx.URL, headers: Mapping[str, str], body: bytes
-) -> bytes:
-    """The whole request, head and body, as h11 frames it on ``conn``."""
+#: What :func:`encode_headers` makes: a request's header names and values, as sent.
+Headers = list[tuple[bytes, bytes]]
+
+
+def encode_headers(headers: Mapping[str, str]) -> Headers:
+    """``headers`` as sent, in ASCII as httpx sends a header; UnicodeEncodeError (a
+    ValueError) for one that is not."""
+    return [(name.encode("ascii"), value.encode("ascii")) for name, value in headers.items()]
+
+
+def request_bytes(conn: EngineConnection, url: httpx.URL, headers: Headers, body: bytes) -> bytes:
+    """The whole request, head and body, as h11 frames it on ``conn``: ``headers`` after
+    the defaults they do not name."""
     head = [
         (b"host", url.netloc),
         (b"user-agent", USER_AGENT),
@@ -257,11 +264,9 @@ def request_bytes(
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
     ]
-    given = {name.lower() for name in headers}
-    head = [(name, value) for name, value in head if name.decode() not in given]
-    head += [(name.encode(), value.encode()) for name, value in headers.items()]
-    target = url.raw_path
-    event = h11.Request(method=b"POST", target=target, headers=head)
+    given = {name.lower() for name, _value in headers}
+    head = [(name, value) for name, value in head if name not in given] + headers
+    event = h11.Request(method=b"POST", target=url.raw_path, headers=head)
     parts = (event, h11.Data(data=body), h11.EndOfMessage())
     return b"".join(conn.h11.send(part) or b"" for part in parts)
 
@@ -457,14 +462,15 @@ _STALE = (httpx.WriteError, httpx.ReadError, httpx.RemoteProtocolError)
 async def open_exchange(
     pool: EnginePool,
     url: httpx.URL,
-    headers: Mapping[str, str],
+    headers: Headers,
     body: bytes,
     timeout: httpx.Timeout,
 ) -> Exchange:
-    """POST ``body`` (JSON) to ``url`` with ``headers`` and return the exchange, its head
-    read. On an idle connection if one is open, else a new one; once more on a new one if
-    a reused connection fails before any byte of the response. Raises httpx's errors;
-    the connection is closed on every way out but a return."""
+    """POST ``body`` (JSON) to ``url`` with ``headers`` (:func:`encode_headers`) and
+    return the exchange, its head read. On an idle connection if one is open, else a new
+    one; once more on a new one if a reused connection fails before any byte of the
+    response. Raises httpx's errors; the connection is closed on every way out but a
+    return."""
     origin = Origin.of(url)
     conn = pool.take_idle(origin)
     while True:
