@@ -1,13 +1,16 @@
-"""The latency learner's token budget, told its signals directly (sans-IO, no clock):
-the tokens' slow start doubles what was safe, and ends once, falling back to
-:data:`~iop_trio.runtime.capacity.HEADROOM` times it."""
+"""The latency learner told its signals directly (sans-IO, no clock): the tokens' slow
+start doubles what was safe, and ends once, falling back to
+:data:`~iop_trio.runtime.capacity.HEADROOM` times it; a wait lowers the limit to the runs
+streaming; probes that fail at one mark back off."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
+
 from iop_trio.model import AutoConcurrency
-from iop_trio.runtime.capacity import HEADROOM, LearnedCapacity, RunSample
+from iop_trio.runtime.capacity import HEADROOM, MOST_BACKOFF, LearnedCapacity, RunSample
 
 
 def learner() -> LearnedCapacity:
@@ -56,3 +59,67 @@ def test_a_run_that_ends_ends_the_slow_start():
     assert safe_at(learned, 800, 0.5) == 1600
     learned.on_run_end(0.125, 2.0)
     assert safe_at(learned, 800, 2.5) == 800 * HEADROOM
+
+
+def runs_learner() -> LearnedCapacity:
+    """A latency learner of runs only (no token counts), its baseline one step."""
+    learned = LearnedCapacity(
+        AutoConcurrency(1, 64),
+        signal="latency",
+        now=0.0,
+        counts_tokens=False,
+        rng=random.Random(1),
+    )
+    learned.on_first_token(RunSample(0.125, 1, 0, 0, 0.0), 0.1)
+    learned.limit = 32
+    return learned
+
+
+def waited(learned: LearnedCapacity, now: float, in_flight: int, streaming: int | None) -> int:
+    """A run that came on ``in_flight`` runs waited ten steps for its first token."""
+    move = learned.on_first_token(
+        RunSample(1.25, in_flight, 0, 0, now - 1.25), now, streaming=streaming
+    )
+    assert move is None or move.reason == "latency_waited"
+    return learned.limit
+
+
+def probe_after(learned: LearnedCapacity, since: float) -> float:
+    """Seconds from ``since`` to the first rise past the mark, runs waiting for the pool
+    at every look (a look every 10 ms, at most 60 s)."""
+    mark = learned.limit
+    for tick in range(1, 6001):
+        now = since + tick / 100
+        learned.on_tick(now, running=learned.limit, reserved=0, queued=5, smallest=None)
+        if learned.limit > mark:
+            return now - since
+    raise AssertionError("no probe within 60 s")
+
+
+def test_a_wait_lowers_the_limit_to_the_runs_streaming_if_fewer():
+    # a queue of a step or two is under the tolerance, so a run that waits long enough
+    # to be seen came on several runs past the batch: the runs streaming say where it is
+    assert waited(runs_learner(), 2.0, in_flight=20, streaming=16) == 16
+    assert waited(runs_learner(), 2.0, in_flight=20, streaming=None) == 19
+    assert waited(runs_learner(), 2.0, in_flight=12, streaming=16) == 11
+
+
+def test_probes_that_fail_at_the_same_mark_back_off_and_a_new_mark_ends_it():
+    learned = runs_learner()
+    assert waited(learned, 2.0, in_flight=20, streaming=16) == 16
+    first = probe_after(learned, 2.0)
+    now = 2.0 + first
+    gaps = []
+    for _ in range(4):  # each probe fails at the same mark: the next waits twice as long
+        now += 0.3
+        assert waited(learned, now, in_flight=learned.limit + 1, streaming=16) == 16
+        gap = probe_after(learned, now)
+        gaps.append(gap)
+        now += gap
+    assert gaps[0] == pytest.approx(2 * first, abs=0.02)
+    assert gaps[1] == pytest.approx(4 * first, abs=0.02)
+    assert gaps[2:] == pytest.approx([MOST_BACKOFF * first] * 2, abs=0.02)
+    # a wait that marks elsewhere (the engine shrank): probes wait one run's time again
+    now += 0.3
+    assert waited(learned, now, in_flight=learned.limit + 1, streaming=8) == 8
+    assert probe_after(learned, now) == pytest.approx(first, abs=0.02)

@@ -22,9 +22,11 @@ prefill).
 TCP's ``ssthresh``) the limit doubles each look while runs wait for it and the engine
 shows room (slow start); at or past it, it grows by 1, then 2, then 3... looks while
 nothing queues (additive, and faster the longer the engine has taken more, so an engine
-that grew is found in a few looks). A mark is forgotten after :data:`FORGET_AFTER`
-looks with no queue. A look taken before the last rise had a step to show (its scrape
-began earlier) grows nothing.
+that grew is found in a few looks). A probe past the mark waits a run's time with no
+queue, twice as long after each probe that failed at the same mark, up to
+:data:`MOST_BACKOFF` times (:meth:`LearnedCapacity._mark_runs`). A mark is forgotten
+after :data:`FORGET_AFTER` looks with no queue. A look taken before the last rise had a
+step to show (its scrape began earlier) grows nothing.
 
 **The engine's own signals** (``signal = "engine"``), read from its metrics
 (:class:`~iop_trio.model.EngineSignals`: vLLM's ``vllm:num_requests_waiting`` and
@@ -124,6 +126,8 @@ FORGET_AFTER = 50
 FORGET_RUNS = 4
 #: Looks with no queue before the learner probes past a mark.
 PROBE_AFTER = 10
+#: The most times longer a probe waits after probes that failed at the same mark.
+MOST_BACKOFF = 8.0
 #: Runs streaming at once that say what the step is now.
 LIVE_RUNS = 4
 #: The weight of a new sample in the smoothed step.
@@ -194,6 +198,7 @@ class LearnedCapacity:
         self._dropped_at = -math.inf  # when a queue or a wait last lowered something
         self.risen_at = -math.inf  # when something last grew
         self._streak = 0  # rises past the mark since the last queue
+        self._backoff = 1.0  # how many runs' times a probe waits (:meth:`_mark_runs`)
         # the last rise of the limit not yet judged by the engine: the limit before it
         # and the requests the engine ran then
         self._probe: tuple[int, float] | None = None
@@ -339,7 +344,7 @@ class LearnedCapacity:
         and a run's time (a failed probe's run waits about that long for a place): the
         smoothed time of the runs that ended, or the age of the oldest in flight, if
         longer (the runs of a new load have not ended yet)."""
-        return now - self._queued_at >= self._run_time()
+        return now - self._queued_at >= self._run_time() * self._backoff
 
     def _run_time(self) -> float:
         """What a probe waits for (:meth:`_probing`): at least :data:`PROBE_AFTER` looks."""
@@ -373,13 +378,33 @@ class LearnedCapacity:
             self.ceiling = rise
 
     def _forget(self, now: float) -> None:
-        """Marks older than :data:`FORGET_AFTER` looks and :data:`FORGET_RUNS` runs' times
-        with no queue: the engine may have grown (another load, a restart), so slow
-        start may pass them again."""
-        quiet = max(FORGET_AFTER * self.interval, FORGET_RUNS * self._run_time())
+        """Marks older than :data:`FORGET_AFTER` looks, :data:`FORGET_RUNS` runs' times and
+        twice what a probe waits (so a learner backed off probes before it forgets) with
+        no queue: the engine may have grown (another load, a restart), so slow start may
+        pass them again."""
+        quiet = max(
+            FORGET_AFTER * self.interval,
+            FORGET_RUNS * self._run_time(),
+            2 * self._backoff * self._run_time(),
+        )
         if now - self._queued_at > quiet:
             self.run_mark = self.token_mark = math.inf
             self._queued_at = now
+            self._backoff = 1.0
+
+    def _mark_runs(self, mark: float) -> None:
+        """Set the run mark, where the engine queued (before :meth:`_queued`). A probe past
+        the mark that failed within one run of it (the engine has not grown) makes the next
+        wait twice as long, up to :data:`MOST_BACKOFF` runs' times (exponential backoff:
+        a learner that cannot see a queue of one, the latency's, is over its engine's
+        batch while it probes, so it probes less often there); a mark elsewhere (the
+        engine or its load changed) and marks forgotten (:meth:`_forget`) end the backoff."""
+        if abs(mark - self.run_mark) <= 1:
+            if self._streak:
+                self._backoff = min(MOST_BACKOFF, self._backoff * 2)
+        else:
+            self._backoff = 1.0
+        self.run_mark = mark
 
     def _queued(self, now: float) -> None:
         self._queued_at = self._dropped_at = now
@@ -423,7 +448,8 @@ class LearnedCapacity:
             self._peak = max(self._peak, signals.running)
         if fresh and self._failed_probe(signals, unjudged):
             assert self._probe is not None
-            self.run_mark = limit = self._probe[0]
+            limit = self._probe[0]
+            self._mark_runs(limit)
             self._probe = None
             self._queued(now)
             return self._moved("engine_waiting", limit, budget, now)
@@ -490,7 +516,7 @@ class LearnedCapacity:
         limit: float = self.limit
         if batch_binds:
             limit = min(self.limit, taken)
-            self.run_mark = limit
+            self._mark_runs(limit)
         if cache_binds and self.counts_tokens and reserved and running:
             self.ceiling = max(1.0, reserved * taken / running)
             self.token_mark = self.ceiling
@@ -500,15 +526,19 @@ class LearnedCapacity:
 
     # --- latency -------------------------------------------------------------------------
 
-    def on_first_token(self, sample: RunSample, now: float) -> Move | None:
+    def on_first_token(
+        self, sample: RunSample, now: float, *, streaming: int | None = None
+    ) -> Move | None:
         """A run's first token came ``sample.ttft`` seconds after its request went out.
-        Every learner takes its step from it; a latency learner judges it too."""
+        Every learner takes its step from it; a latency learner judges it too.
+        ``streaming``: the pool's runs that have had their first token (see
+        :meth:`_waited`), if known."""
         ratio = self._ratio(sample)
         baseline = self.baseline(sample.cost)
         if self.signal != "latency" or ratio is None or baseline is None:
             return None
         if ratio > TOLERANCE * max(baseline, 1.0):
-            return self._waited(sample, now)
+            return self._waited(sample, now, streaming=streaming)
         self.safe = max(self.safe, sample.reserved)
         self.safe_runs = max(self.safe_runs, sample.in_flight)
         if not self.counts_tokens or not self.safe:
@@ -520,17 +550,24 @@ class LearnedCapacity:
         return self._moved("latency_room", self.limit, budget, now)
 
     def on_waiting(
-        self, age: float, sample: RunSample, now: float, *, held: float | None = None
+        self,
+        age: float,
+        sample: RunSample,
+        now: float,
+        *,
+        held: float | None = None,
+        streaming: int | None = None,
     ) -> Move | None:
         """A run has had no first token for ``age`` seconds since its request went out:
         past :meth:`waited_past`, it waits inside the engine, and that is said now, not
         when its first token comes. ``held``: the pool's tokens in flight less those of
-        every run that waits so (what the engine holds), if known. Its caller tells
-        each run once."""
+        every run that waits so (what the engine holds), if known; ``streaming``: the
+        pool's runs that have had their first token, if known. Its caller tells each
+        run once."""
         past = self.waited_past(sample.cost)
         if self.signal != "latency" or past is None or age <= past:
             return None
-        return self._waited(sample, now, held)
+        return self._waited(sample, now, held, streaming)
 
     def on_tick(
         self,
@@ -595,9 +632,18 @@ class LearnedCapacity:
             return True
         return False
 
-    def _waited(self, sample: RunSample, now: float, held: float | None = None) -> Move | None:
+    def _waited(
+        self,
+        sample: RunSample,
+        now: float,
+        held: float | None = None,
+        streaming: int | None = None,
+    ) -> Move | None:
         """``sample``'s run waited inside the engine: lower what explains it (to what
-        came before it, or to what the engine holds now, if less)."""
+        came before it, or to what the engine holds now, if less). A limit lowered goes
+        below the runs the waited run came on, and to the runs streaming, if fewer: a
+        run that waited a place found the batch full of them (a wait of a step or two
+        is under :data:`TOLERANCE`, so the runs it came on are already past the batch)."""
         before = sample.reserved - sample.cost
         if held is not None and held > 0:
             before = min(before, int(held))
@@ -615,7 +661,9 @@ class LearnedCapacity:
         limit: float = self.limit
         if by_runs:
             limit = min(self.limit, sample.in_flight - 1)
-            self.run_mark = max(self.auto.minimum, limit)
+            if streaming:
+                limit = min(limit, streaming)
+            self._mark_runs(max(self.auto.minimum, limit))
         if by_tokens:
             self.ceiling = min(self.ceiling, max(1.0, before))
             self.token_mark = self.ceiling

@@ -226,7 +226,19 @@ class CapacityLearner:
             sample = self._sample(permit, now - sent)
             if sample is not None:
                 self._told.add(permit)  # told once, whatever it moves
-                self._apply(learned.on_waiting(now - sent, sample, now, held=held))
+                move = learned.on_waiting(
+                    now - sent, sample, now, held=held, streaming=self._streaming()
+                )
+                self._apply(move)
+
+    def _streaming(self) -> int:
+        """The pool's runs in the engine that have had their first token: what the
+        engine's batch held at least, as one of the pool's runs waited for a place."""
+        return sum(
+            1
+            for permit, _heard, had_first in self.in_engine()
+            if had_first and permit.at_grant(self.pool) is not None
+        )
 
     def first_token(self, permit: Permit, ttft: float) -> None:
         """A run through this pool had its first token ``ttft`` seconds after its request
@@ -237,7 +249,9 @@ class CapacityLearner:
             return
         sample = self._sample(permit, ttft)
         if sample is not None:
-            self._apply(learned.on_first_token(sample, trio.current_time()))
+            # (the streaming runs are counted for a latency learner only: no other uses them)
+            streaming = self._streaming() if learned.signal == "latency" else None
+            self._apply(learned.on_first_token(sample, trio.current_time(), streaming=streaming))
 
     def run_ended(self, permit: Permit, tpot: float | None) -> None:
         """A run through this pool succeeded, ``tpot`` seconds per output token after its
