@@ -30,7 +30,14 @@ from iop_trio.model import EventKind, RunEvent, RunQuery, RunRecord, RunStatus
 from iop_trio.runtime import Usage
 from iop_trio.store import RunStore, StoreError, StoreUnavailable
 from iop_trio.store.memory import MemoryStore
-from iop_trio.store.sqlite import SCHEMA_VERSION, SqliteStore, SqliteStoreHooks, usage_totals_sql
+from iop_trio.store.sqlite import (
+    BUSY_CHECKPOINT,
+    SCHEMA_VERSION,
+    WAL_AUTOCHECKPOINT,
+    SqliteStore,
+    SqliteStoreHooks,
+    usage_totals_sql,
+)
 from iop_trio.store.sqlite_schema import MIGRATE_1_TO_2
 
 from .support import HealthLog, logged, read_only
@@ -563,6 +570,40 @@ async def test_creates_with_the_events_that_follow_go_in_bulk_with_the_rest(stor
     for state, _ in states:
         assert await store.get(state.record.run_id) == state.record
         assert await seqs(store, state.record.run_id) == [1, 2, 3]
+
+
+class FileSizes(SqliteStoreHooks):
+    """Hooks that note the database file's and the WAL's sizes as each batch begins."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sizes: list[tuple[int, int]] = []
+
+    def before_batch(self, labels: list[str]) -> None:
+        wal = Path(f"{self.path}-wal")
+        self.sizes.append((self.path.stat().st_size, wal.stat().st_size if wal.exists() else 0))
+
+
+async def test_the_writer_checkpoints_between_batches_not_inside_a_commit(tmp_path):
+    # a WAL past BUSY_CHECKPOINT (and under SQLite's own checkpoint, at WAL_AUTOCHECKPOINT
+    # pages) is copied into the file after its batch's callers are woken, before the next
+    # batch: no caller's commit waits for it
+    path = tmp_path / "runs.db"
+    hooks = FileSizes(path)
+    store = SqliteStore(path, hooks=hooks)
+    try:
+        state = await running(store, "a")
+        big = "x" * (BUSY_CHECKPOINT + 16 * 1024)
+        assert len(big) < WAL_AUTOCHECKPOINT * 4096 * 0.9
+        await store.append(state.delta(big, time=102.0))
+        await store.append(state.delta("y", time=103.0))
+        (file_before, wal_before), (file_after, _wal_after) = hooks.sizes[-2:]
+        assert file_before < 64 * 1024  # the big write's batch found nothing copied yet
+        assert file_after > BUSY_CHECKPOINT  # the next found it copied, with no wait of its own
+        assert wal_before < BUSY_CHECKPOINT
+        assert (await store.events("a"))[-2].text == big
+    finally:
+        await store.aclose()
 
 
 # --- closing ----------------------------------------------------------------------------------

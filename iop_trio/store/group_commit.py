@@ -210,6 +210,10 @@ class WriteBackend(Protocol[P]):
     def tending_due(self) -> bool:
         """Whether :meth:`tend` would look now."""
 
+    def between_batches(self, *, idle: bool) -> None:
+        """Between two batches, their callers woken: do upkeep that no caller should wait
+        for (a checkpoint); ``idle``: nothing is pending. Never raises."""
+
     def time_to_check(self) -> float | None:
         """Seconds until :meth:`tend` is due; None: never."""
 
@@ -425,8 +429,10 @@ class GroupCommit(Generic[P]):
             self._backend.close()
 
     def _take_batch(self) -> list[Job[P]] | None:
-        """Tend the storage when due, then wait for jobs and take a batch of them: [] if
-        the storage is due a check first, None once closing with nothing pending."""
+        """Do the upkeep between batches, tend the storage when due, then wait for jobs
+        and take a batch of them: [] if the storage is due a check first, None once
+        closing with nothing pending."""
+        self._backend.between_batches(idle=not self._pending)
         if (
             self._backend.tend(now=False)
             and self._board.problem(WRITE) is not None

@@ -62,8 +62,11 @@ is logged once each way and told to the
 at once with :class:`StoreUnavailable`. Once :meth:`aclose` is called, such
 writes get ``close_timeout`` more seconds; the ones still not made then
 fail with StoreUnavailable (their runs are INTERRUPTED at the next start).
-The WAL is checkpointed every :data:`WAL_AUTOCHECKPOINT` pages and kept to
-:data:`JOURNAL_SIZE_LIMIT` bytes.
+The writer checkpoints the WAL between batches, never inside a commit a caller waits
+for: when it is idle and the WAL holds :data:`IDLE_CHECKPOINT` bytes, or however busy
+once it holds :data:`BUSY_CHECKPOINT`; SQLite's own checkpoint at
+:data:`WAL_AUTOCHECKPOINT` pages stays as the bound, and the WAL is truncated when it
+is reset (:data:`JOURNAL_SIZE_LIMIT`), so a small disk holds.
 
 The file
 --------
@@ -145,6 +148,8 @@ from .sqlite_schema import (
     usage_totals_sql,
 )
 from .sqlite_writer import (
+    BUSY_CHECKPOINT,
+    IDLE_CHECKPOINT,
     JOURNAL_SIZE_LIMIT,
     WAL_AUTOCHECKPOINT,
     AppendPlan,
@@ -159,8 +164,10 @@ from .sqlite_writer import (
 )
 
 __all__ = [
+    "BUSY_CHECKPOINT",
     "CHECK_INTERVAL",
     "CLOSE_TIMEOUT",
+    "IDLE_CHECKPOINT",
     "JOURNAL_SIZE_LIMIT",
     "LINGER",
     "SCHEMA_VERSION",

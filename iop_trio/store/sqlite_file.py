@@ -178,6 +178,14 @@ class StoreFile:
         if self._wal_identity is None:
             self._wal_identity = identity(self.path + "-wal")
 
+    def wal_size(self) -> int:
+        """The WAL's size in bytes (0 if there is none): what it holds since it was last
+        reset, as the writer truncates it then (``journal_size_limit``)."""
+        try:
+            return os.stat(self.path + "-wal").st_size
+        except OSError:
+            return 0
+
     def forget_wal(self) -> None:
         """The writer closed its connection: closing the last one may delete the WAL."""
         self._wal_identity = None

@@ -64,10 +64,18 @@ PASSING_CODES = frozenset(
         sqlite3.SQLITE_PROTOCOL,
     }
 )
-#: The WAL is checkpointed every this many pages (4 KiB each) ...
+#: The writer checkpoints the WAL between batches, off the commit path: once it holds
+#: this many bytes and nothing is pending (the writer is idle) ...
+IDLE_CHECKPOINT = 256 * 1024
+#: ... or, however busy, once it holds this many.
+BUSY_CHECKPOINT = 768 * 1024
+#: SQLite's own checkpoint inside a commit, at this many pages (4 KiB each, about 1 MiB
+#: with their headers), is left as the bound that only a batch larger than the room left
+#: under it can reach ...
 WAL_AUTOCHECKPOINT = 256
-#: ... and truncated to at most this many bytes when it is reset, so a small disk holds.
-JOURNAL_SIZE_LIMIT = 1024 * 1024
+#: ... and the WAL is truncated to this many bytes when it is reset (after a checkpoint
+#: that copied it all), so a small disk holds and the file's size is what it holds.
+JOURNAL_SIZE_LIMIT = 0
 #: The run id of a probe's row; no run has it (a run id starts with a letter or digit).
 PROBE_RUN = "\x00probe"
 
@@ -283,6 +291,22 @@ class SqliteWriter:
 
     def tend(self, *, now: bool) -> bool:
         return self.file.tend(self._conn, now=now)
+
+    def between_batches(self, *, idle: bool) -> None:
+        """Checkpoint the WAL (PASSIVE: readers are not waited for) once it holds
+        :data:`IDLE_CHECKPOINT` bytes and ``idle`` (nothing pending), or
+        :data:`BUSY_CHECKPOINT` bytes, so no caller's commit waits for one. A checkpoint
+        that fails (a full disk, a lock) is left to the next time: SQLite's own, at
+        :data:`WAL_AUTOCHECKPOINT` pages, still bounds the WAL."""
+        conn = self._conn
+        if conn is None or self.file.gone() is not None:
+            return
+        if self.file.wal_size() < (IDLE_CHECKPOINT if idle else BUSY_CHECKPOINT):
+            return
+        try:
+            conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        except sqlite3.Error as exc:
+            log.debug("run store: a checkpoint between batches failed: %s", exc)
 
     def tending_due(self) -> bool:
         return self.file.tending_due()
