@@ -128,6 +128,10 @@ FORGET_RUNS = 4
 PROBE_AFTER = 10
 #: The most times longer a probe waits after probes that failed at the same mark.
 MOST_BACKOFF = 8.0
+#: The least share of the limit a wait leaves that the runs streaming may lower it to
+#: (:meth:`LearnedCapacity._waited`): at a shift to longer runs few have streamed yet, and
+#: a multiplicative decrease is bounded (CUBIC's is 0.7).
+STREAMING_FLOOR = 0.75
 #: Runs streaming at once that say what the step is now.
 LIVE_RUNS = 4
 #: The weight of a new sample in the smoothed step.
@@ -339,12 +343,15 @@ class LearnedCapacity:
         step has passed since it."""
         return unjudged == 0 and now - self.risen_at >= self.step
 
-    def _probing(self, now: float) -> bool:
+    def _probing(self, now: float, *, runs: bool = False) -> bool:
         """Whether a rise past a mark may come: :data:`PROBE_AFTER` looks with no queue,
         and a run's time (a failed probe's run waits about that long for a place): the
         smoothed time of the runs that ended, or the age of the oldest in flight, if
-        longer (the runs of a new load have not ended yet)."""
-        return now - self._queued_at >= self._run_time() * self._backoff
+        longer (the runs of a new load have not ended yet). Past the run mark (``runs``),
+        that many times the backoff (:meth:`_mark_runs`); the tokens' ceiling has none:
+        the cache's room moves with the size of the runs, the batch's does not."""
+        backoff = self._backoff if runs else 1.0
+        return now - self._queued_at >= self._run_time() * backoff
 
     def _run_time(self) -> float:
         """What a probe waits for (:meth:`_probing`): at least :data:`PROBE_AFTER` looks."""
@@ -357,7 +364,7 @@ class LearnedCapacity:
             return self.limit * 2
         if self.limit < self.run_mark:
             return self.run_mark
-        if not self._probing(now):
+        if not self._probing(now, runs=True):
             return self.limit
         self._streak += 1
         return self.limit + self._streak
@@ -641,9 +648,10 @@ class LearnedCapacity:
     ) -> Move | None:
         """``sample``'s run waited inside the engine: lower what explains it (to what
         came before it, or to what the engine holds now, if less). A limit lowered goes
-        below the runs the waited run came on, and to the runs streaming, if fewer: a
-        run that waited a place found the batch full of them (a wait of a step or two
-        is under :data:`TOLERANCE`, so the runs it came on are already past the batch)."""
+        below the runs the waited run came on, and to the runs streaming, if fewer (but
+        not under :data:`STREAMING_FLOOR` of that): a run that waited a place found the
+        batch full of them (a wait of a step or two is under :data:`TOLERANCE`, so the
+        runs it came on are already past the batch)."""
         before = sample.reserved - sample.cost
         if held is not None and held > 0:
             before = min(before, int(held))
@@ -662,7 +670,7 @@ class LearnedCapacity:
         if by_runs:
             limit = min(self.limit, sample.in_flight - 1)
             if streaming:
-                limit = min(limit, streaming)
+                limit = min(limit, max(streaming, math.ceil(limit * STREAMING_FLOOR)))
             self._mark_runs(max(self.auto.minimum, limit))
         if by_tokens:
             self.ceiling = min(self.ceiling, max(1.0, before))
