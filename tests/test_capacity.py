@@ -78,7 +78,9 @@ def runs_learner() -> LearnedCapacity:
 def waited(learned: LearnedCapacity, now: float, in_flight: int, streaming: int | None) -> int:
     """A run that came on ``in_flight`` runs waited ten steps for its first token."""
     move = learned.on_first_token(
-        RunSample(1.25, in_flight, 0, 0, now - 1.25), now, streaming=streaming
+        RunSample(1.25, in_flight, 0, 0, now - 1.25),
+        now,
+        streaming=None if streaming is None else lambda: streaming,
     )
     assert move is None or move.reason == "latency_waited"
     return learned.limit

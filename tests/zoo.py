@@ -7,8 +7,10 @@ HTTP between: a run is a request added to the engine, its tokens come as the eng
 steps them, a run that ends early leaves and frees its cache. ``engine_signals`` reads
 vLLM's gauges from the engine's state after the shape's scrape time (or none, for the
 latency signal), ``count_tokens`` its tokenizer. ``benchmarks/capacity.py --zoo`` runs
-the same shapes through real processes; here every figure is exact and a run
-deterministic. ``python -m tests.zoo [SHAPE ...]`` prints the figures of the sample.
+the same shapes through real processes; here every figure is exact, but a run is not
+quite repeatable: trio orders the tasks of a step at random (an unseeded generator of its
+own), so a phase's figures move by a few percent from run to run. ``python -m tests.zoo
+[SHAPE ...]`` prints the figures of the sample.
 """
 
 from __future__ import annotations
@@ -209,7 +211,7 @@ async def cancel_all(node: Node) -> None:
 
 async def measure(shape: Any, config: Config, phases: Sequence[Phase]) -> list[Figures]:
     """Each phase of the load, one after the other on one node and one engine (the
-    learners' jitter seeded, so a run repeats)."""
+    learners' jitter seeded; trio's order of a step's tasks is not: module docstring)."""
     random.seed(0)
     engine = shape.engine()
     node = sim_node(engine, shape, config)

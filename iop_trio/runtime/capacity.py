@@ -94,6 +94,7 @@ from __future__ import annotations
 import collections
 import math
 import random
+from collections.abc import Callable
 
 import attrs
 
@@ -136,6 +137,10 @@ STREAMING_FLOOR = 0.75
 LIVE_RUNS = 4
 #: The weight of a new sample in the smoothed step.
 SMOOTHING = 0.3
+
+
+#: Counts the pool's runs that have had their first token (the shell's; called when used).
+Streaming = Callable[[], int]
 
 
 @attrs.frozen
@@ -534,12 +539,12 @@ class LearnedCapacity:
     # --- latency -------------------------------------------------------------------------
 
     def on_first_token(
-        self, sample: RunSample, now: float, *, streaming: int | None = None
+        self, sample: RunSample, now: float, *, streaming: Streaming | None = None
     ) -> Move | None:
         """A run's first token came ``sample.ttft`` seconds after its request went out.
         Every learner takes its step from it; a latency learner judges it too.
-        ``streaming``: the pool's runs that have had their first token (see
-        :meth:`_waited`), if known."""
+        ``streaming``: counts the pool's runs that have had their first token (see
+        :meth:`_waited`; called only for a run that waited), if known."""
         ratio = self._ratio(sample)
         baseline = self.baseline(sample.cost)
         if self.signal != "latency" or ratio is None or baseline is None:
@@ -563,14 +568,14 @@ class LearnedCapacity:
         now: float,
         *,
         held: float | None = None,
-        streaming: int | None = None,
+        streaming: Streaming | None = None,
     ) -> Move | None:
         """A run has had no first token for ``age`` seconds since its request went out:
         past :meth:`waited_past`, it waits inside the engine, and that is said now, not
         when its first token comes. ``held``: the pool's tokens in flight less those of
-        every run that waits so (what the engine holds), if known; ``streaming``: the
-        pool's runs that have had their first token, if known. Its caller tells each
-        run once."""
+        every run that waits so (what the engine holds), if known; ``streaming``: counts
+        the pool's runs that have had their first token, if known. Its caller tells
+        each run once."""
         past = self.waited_past(sample.cost)
         if self.signal != "latency" or past is None or age <= past:
             return None
@@ -644,7 +649,7 @@ class LearnedCapacity:
         sample: RunSample,
         now: float,
         held: float | None = None,
-        streaming: int | None = None,
+        streaming: Streaming | None = None,
     ) -> Move | None:
         """``sample``'s run waited inside the engine: lower what explains it (to what
         came before it, or to what the engine holds now, if less). A limit lowered goes
@@ -669,8 +674,9 @@ class LearnedCapacity:
         limit: float = self.limit
         if by_runs:
             limit = min(self.limit, sample.in_flight - 1)
-            if streaming:
-                limit = min(limit, max(streaming, math.ceil(limit * STREAMING_FLOOR)))
+            streamed = streaming() if streaming is not None else 0
+            if streamed:
+                limit = min(limit, max(streamed, math.ceil(limit * STREAMING_FLOOR)))
             self._mark_runs(max(self.auto.minimum, limit))
         if by_tokens:
             self.ceiling = min(self.ceiling, max(1.0, before))

@@ -215,9 +215,13 @@ class CapacityLearner:
         not waiting so)."""
         now = trio.current_time()
         waiting = []
+        streaming = 0  # the pool's runs that have had their first token
         for permit, sent, had_first in list(self.in_engine()):
+            if permit.at_grant(self.pool) is None:
+                continue
+            streaming += had_first
             past = None if had_first else learned.waited_past(permit.cost)
-            if past is not None and now - sent > past and permit.at_grant(self.pool) is not None:
+            if past is not None and now - sent > past:
                 waiting.append((permit, sent))
         held = self.pool.reserved - sum(permit.cost for permit, _sent in waiting)
         for permit, sent in waiting:
@@ -227,7 +231,7 @@ class CapacityLearner:
             if sample is not None:
                 self._told.add(permit)  # told once, whatever it moves
                 move = learned.on_waiting(
-                    now - sent, sample, now, held=held, streaming=self._streaming()
+                    now - sent, sample, now, held=held, streaming=lambda: streaming
                 )
                 self._apply(move)
 
@@ -249,9 +253,9 @@ class CapacityLearner:
             return
         sample = self._sample(permit, ttft)
         if sample is not None:
-            # (the streaming runs are counted for a latency learner only: no other uses them)
-            streaming = self._streaming() if learned.signal == "latency" else None
-            self._apply(learned.on_first_token(sample, trio.current_time(), streaming=streaming))
+            # the streaming runs are counted only for a run the policy finds waited
+            now = trio.current_time()
+            self._apply(learned.on_first_token(sample, now, streaming=self._streaming))
 
     def run_ended(self, permit: Permit, tpot: float | None) -> None:
         """A run through this pool succeeded, ``tpot`` seconds per output token after its
