@@ -127,3 +127,21 @@ def test_probes_that_fail_at_the_same_mark_back_off_and_a_new_mark_ends_it():
     now += 0.3
     assert waited(learned, now, in_flight=learned.limit + 1, streaming=8) == 13
     assert probe_after(learned, now) == pytest.approx(first, abs=0.02)
+
+
+def test_a_wait_that_what_was_safe_does_not_explain_keeps_the_mark():
+    learned = runs_learner()
+    # 30 runs in flight were safe; a run that came on 33 waited: the mark is 31
+    learned.on_first_token(RunSample(0.125, 30, 0, 0, 0.4), 0.5)
+    assert waited(learned, 2.0, in_flight=33, streaming=31) == 31
+    assert learned.run_mark == 31
+    # a run that came on 20 waited (a step that grew at a shift of load, or an engine
+    # that shrank): the limit drops under it, but the mark is where it last queued
+    assert waited(learned, 4.0, in_flight=20, streaming=20) == 19
+    assert learned.run_mark == 31
+    # so the next rise goes back to the mark at once, not a run at a time
+    learned.on_tick(5.0, running=19, reserved=0, queued=5, smallest=None)
+    assert learned.limit == 31
+    # and a wait there, past what is safe now, marks where it is
+    assert waited(learned, 6.0, in_flight=31, streaming=27) == 27
+    assert learned.run_mark == 27

@@ -69,9 +69,12 @@ tokens in flight, itself included) says what was safe and what was too much:
   the tokens, if more were in flight than ever safely (the ceiling drops to what was
   in flight before it, and that is the token mark), the runs, if more ran than ever
   safely (the limit drops below the runs it came on: the mark), or both, if neither:
-  the engine has shrunk, and what was safe is forgotten down to it
-  (``latency_waited``). A run granted before the last drop, with more in flight than
-  the new bounds, says nothing new and moves nothing;
+  the engine has shrunk (or its step grew faster than the step measured, at a shift of
+  load), and what was safe is forgotten down to it, but the run mark is not lowered:
+  the mark is where runs past the most safe queued, so the next rise goes back to it
+  at once, and a wait there marks anew (``latency_waited``). A run granted before the
+  last drop, with more in flight than the new bounds, says nothing new and moves
+  nothing;
 - every look, runs waiting for a pool that is full grow what binds it
   (:meth:`LearnedCapacity.on_tick`, ``latency_room``), as above: the limit and the
   budget's ceiling double below their marks and then grow additively.
@@ -667,7 +670,8 @@ class LearnedCapacity:
             return None  # it came before the last drop, on more than is let in now
         by_tokens = tokens and sample.reserved > self.safe
         by_runs = sample.in_flight > self.safe_runs
-        if not by_tokens and not by_runs:  # the engine shrank: forget what was safe
+        shrunk = not by_tokens and not by_runs
+        if shrunk:  # the engine shrank, or its step did: forget what was safe
             self.safe = min(self.safe, max(0, before))
             self.safe_runs = min(self.safe_runs, sample.in_flight - 1)
             by_tokens, by_runs = tokens, True
@@ -677,7 +681,10 @@ class LearnedCapacity:
             streamed = streaming() if streaming is not None else 0
             if streamed:
                 limit = min(limit, max(streamed, math.ceil(limit * STREAMING_FLOOR)))
-            self._mark_runs(max(self.auto.minimum, limit))
+            mark: float = max(self.auto.minimum, limit)
+            if shrunk and self.run_mark != math.inf:
+                mark = max(mark, self.run_mark)  # what was safe is not where it queued
+            self._mark_runs(mark)
         if by_tokens:
             self.ceiling = min(self.ceiling, max(1.0, before))
             self.token_mark = self.ceiling
