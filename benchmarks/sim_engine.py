@@ -4,7 +4,7 @@
         [--kv-tokens 4096] [--max-model-len N] [--base-ms 80] [--per-seq-ms 1.6]
         [--prefill-us 50] [--metrics vllm|llamacpp|none] [--max-batch N]
         [--admit arrival|step] [--kv-mode reserve|paged] [--scrape-ms 0]
-        [--exit-with-parent]
+        [--prefix-cache-tokens 0] [--exit-with-parent]
 
 It prints ``sim engine listening on HOST:PORT`` once it serves. Standard library,
 trio and h11 only, so it runs beside any version of the node (``capacity.py --rev``).
@@ -91,9 +91,16 @@ on trio's MockClock) and :func:`serve` puts HTTP in front of it.
   less than a step catches up on the next one, so scheduling jitter does not
   change the rate; the time lost to longer stalls is ``lost_s``).
 
+- *A prefix cache* (``--prefix-cache-tokens N``, off by default): a prompt's leading
+  16-token blocks that this engine prefilled recently skip their prefill, charged per
+  prompt token, so a miss on a long prompt is slow; bounded, least recently used
+  evicted (``prefix_cache.py`` says what it models and leaves out). ``cached_tokens``
+  in ``/bench/stats`` counts the prompt tokens it spared.
+
 **What it leaves out:** swapping preempted blocks to CPU (a preempted request
 is always recomputed), vLLM's watermark of free blocks kept at admission,
-prefix caching, chunked prefill (a long prompt's prefill is one step, however
+prefix caching as part of the KV cache (the prefix cache is a bound of its own),
+chunked prefill (a long prompt's prefill is one step, however
 long), speculative decoding, sampling and text (every token is ``" tok"``;
 ``temperature``, ``stop`` and the other sampling fields are accepted and ignored),
 priorities, ``n`` > 1, the legacy ``/v1/completions``, tools, and the engine's own
@@ -134,6 +141,7 @@ from typing import Any
 
 import h11
 import trio
+from prefix_cache import PrefixCache, block_hashes
 
 TOKEN_TEXT = " tok"  # every token the engine generates
 PIECE = 5  # characters of a word one token covers
@@ -238,6 +246,7 @@ class Request:
     preempted: int = 0
     passed_over: bool = False  # left waiting by an admission check (queued for room)
     finish_reason: str | None = None
+    blocks: tuple[int, ...] = ()  # its prompt's block hashes (a prefix cache's keys)
     _lot: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)
 
     def __repr__(self) -> str:
@@ -292,6 +301,7 @@ class Window:
     max_waiting: int = 0
     max_running: int = 0
     preempted: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache spared a prefill
     lag_sum: float = 0.0
     lag_max: float = 0.0
     lost: float = 0.0
@@ -311,6 +321,7 @@ class Engine:
         max_batch: int | None = None,
         admit: str = "arrival",
         kv: str = "reserve",
+        prefix_cache_tokens: int = 0,
     ) -> None:
         if kv_tokens < 1:
             raise ValueError(f"kv_tokens must be >= 1, not {kv_tokens}")
@@ -324,6 +335,8 @@ class Engine:
         self.kv = kv
         self.max_model_len = min(max_model_len or kv_tokens, kv_tokens)
         self.law = law or StepLaw()
+        #: prompts' leading blocks seen recently (prefix_cache.py), None: no prefix cache
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.kv_used = 0
@@ -346,11 +359,16 @@ class Engine:
     # --- what the HTTP side calls ---
 
     def add(
-        self, prompt_tokens: int, max_tokens: int | None, stop_after: int | None = None
+        self,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        stop_after: int | None = None,
+        blocks: tuple[int, ...] = (),
     ) -> Request:
         """A new request: admitted at once if it fits and nobody waits, else queued.
-        ``max_tokens`` None is the rest of ``max_model_len``. TooLong if it can never fit,
-        ValueError if a count is below 1."""
+        ``max_tokens`` None is the rest of ``max_model_len``; ``blocks``: its prompt's
+        block hashes, for the prefix cache. TooLong if it can never fit, ValueError if
+        a count is below 1."""
         if max_tokens is None:
             max_tokens = self.max_model_len - prompt_tokens
         if prompt_tokens < 1 or max_tokens < 1 or (stop_after is not None and stop_after < 1):
@@ -367,6 +385,7 @@ class Engine:
         self._integrate()
         self.ids += 1
         seq = Request(self.ids, prompt_tokens, max_tokens, stop_after, trio.current_time())
+        seq.blocks = blocks
         self.waiting.append(seq)
         self.window.arrived += 1
         self._admit()
@@ -415,6 +434,7 @@ class Engine:
             prefill = sum(seq.prompt_tokens + seq.generated for seq in joining)
             for seq in joining:
                 seq.prefilled = True
+            prefill -= self._cached(joining)
             self.prompt_tokens_total += prefill
             self.window.prompt_tokens += prefill
             took = self.law.step_time(len(batch), prefill)
@@ -431,6 +451,19 @@ class Engine:
                 self.window.lost += lag
                 clock = now
             self._end_step(batch)
+
+    def _cached(self, joining: list[Request]) -> int:
+        """The prompt tokens of the requests ``joining`` the batch that the prefix cache
+        holds (so their prefill is spared), their blocks cached from now on."""
+        cache = self.prefix_cache
+        if cache is None:
+            return 0
+        spared = 0
+        for seq in joining:
+            spared += cache.cached(seq.blocks, seq.prompt_tokens)
+            cache.store(seq.blocks)
+        self.window.cached_tokens += spared
+        return spared
 
     def _end_step(self, batch: list[Request]) -> None:
         self._integrate()
@@ -536,6 +569,7 @@ class Engine:
             "tokens": w.tokens,
             "tokens_per_s": w.tokens / elapsed if elapsed > 0 else math.nan,
             "prompt_tokens": w.prompt_tokens,
+            "cached_tokens": w.cached_tokens,
             "arrived": w.arrived,
             "finished": w.finished,
             "gone": w.gone,
@@ -908,7 +942,11 @@ class Server:
         options = request.get("stream_options")
         include_usage = isinstance(options, Mapping) and bool(options.get("include_usage"))
         try:
-            seq = self.engine.add(chat_token_count(messages), max_tokens, stop_after)
+            if self.engine.prefix_cache is None:
+                seq = self.engine.add(chat_token_count(messages), max_tokens, stop_after)
+            else:
+                ids = chat_tokens(messages)
+                seq = self.engine.add(len(ids), max_tokens, stop_after, block_hashes(ids))
         except ValueError as exc:  # TooLong too
             raise BadRequest(400, str(exc)) from None
         try:
@@ -1058,6 +1096,7 @@ async def main(ns: argparse.Namespace) -> None:
         max_batch=ns.max_batch,
         admit=ns.admit,
         kv=ns.kv_mode,
+        prefix_cache_tokens=ns.prefix_cache_tokens,
     )
     async with trio.open_nursery() as nursery:
         port = await nursery.start(
@@ -1104,6 +1143,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--kv-mode", choices=KV_KINDS, default="reserve", help="worst case reserved, or blocks"
     )
     p.add_argument("--scrape-ms", type=float, default=0.0, help="before /metrics answers")
+    p.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=0,
+        help="a prefix cache of this many tokens (prefix_cache.py); 0: none",
+    )
     p.add_argument(
         "--exit-with-parent", action="store_true", help="exit when the parent process goes"
     )

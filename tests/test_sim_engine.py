@@ -126,6 +126,33 @@ async def test_a_step_takes_base_plus_per_request_plus_the_prefill_of_those_join
     assert engine.window.steps == 4 and engine.window.tokens == 6
 
 
+async def test_a_prefix_cached_skips_its_prefill_and_a_new_one_pays_it(autojump_clock):
+    law = sim.StepLaw(base=0.0, per_seq=0.0, prefill=0.01)
+    engine = sim.Engine(kv_tokens=10_000, law=law, prefix_cache_tokens=64)
+    system = sim.chat_tokens([("system", "alpha " * 40)], add_generation_prompt=False)
+    tails = [sim.tokenize(f"{i} asks a question") for i in range(3)]  # apart at once
+    prompts = [system + tail for tail in tails]
+    other = sim.chat_tokens([("system", "beta " * 40)], add_generation_prompt=False)
+
+    async def first_token_after(ids: list[int]) -> float:
+        began = trio.current_time()
+        seq = engine.add(len(ids), 1, blocks=sim.block_hashes(ids))
+        await seq.wait_beyond(0)
+        return trio.current_time() - began
+
+    async with looping(engine):
+        cold = await first_token_after(prompts[0])
+        warm = await first_token_after(prompts[1])
+        assert cold == pytest.approx(len(prompts[0]) * 0.01)
+        # the blocks that are all system prompt (the cache holds 4) are spared
+        spared = min(len(system) // 16, 4) * 16
+        assert warm == pytest.approx((len(prompts[1]) - spared) * 0.01)
+        # another prefix pays in full, and evicts the least recently used
+        assert await first_token_after(other) == pytest.approx(len(other) * 0.01)
+    assert engine.window.cached_tokens == spared
+    assert engine.prefix_cache is not None and engine.prefix_cache.hits == spared
+
+
 async def test_an_idle_engine_steps_as_soon_as_a_request_comes(autojump_clock):
     engine = sim.Engine(law=sim.StepLaw(1.0, 0.0, 0.0))
     async with looping(engine):
