@@ -53,6 +53,7 @@ from .tokens import (
 # (below this one); they are re-exported here, where every layer imports them from.
 __all__ = [
     "CHARS_PER_TOKEN",
+    "ENGINE_RETRY_AFTER",
     "LIVE_STATUSES",
     "MAX_JOINED_TEXT",
     "MAX_OUTPUT_TOKENS",
@@ -184,6 +185,11 @@ REJECT_REASONS = frozenset(r.value for r in RejectReason)
 #: Bounds on a retry hint, in seconds: the gate's own, and an engine's ``Retry-After``.
 MIN_RETRY_AFTER = 0.1
 MAX_RETRY_AFTER = 3600.0
+#: The retry hint (seconds) of an engine's 429 or 503 that gives no ``Retry-After`` (or
+#: one that is no number of seconds nor a date): the status itself says to ask again
+#: later, and a caller is never left without a hint (the gate's before it has seen a
+#: grant is the same). Also the hint of a run no replica of its adapter could take.
+ENGINE_RETRY_AFTER = 1.0
 
 
 def clamp_retry_after(seconds: float) -> float:

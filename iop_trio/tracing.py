@@ -53,6 +53,8 @@ GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 #: the conventions' low-cardinality name of what went wrong (a reject or end reason)
 ERROR_TYPE = "error.type"
+SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
 IOP_TENANT = "iop.tenant"
 IOP_PRIORITY = "iop.priority"
 IOP_TARGET = "iop.target"

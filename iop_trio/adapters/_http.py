@@ -19,6 +19,7 @@ import abc
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager, suppress
 from typing import Any, NoReturn, Self
+from urllib.parse import urlsplit
 
 import attrs
 import httpx
@@ -295,6 +296,13 @@ class HTTPAdapter(Adapter):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+    @property
+    def server(self) -> tuple[str, int] | None:
+        parts = urlsplit(self.base_url)
+        if parts.hostname is None:
+            return None
+        return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
 
     @property
     def client(self) -> httpx.AsyncClient:

@@ -149,6 +149,12 @@ class Adapter(abc.ABC):
         return None
 
     @property
+    def server(self) -> tuple[str, int] | None:
+        """The engine's host and port (a run's engine span says them); None for a kind
+        with no engine of its own."""
+        return None
+
+    @property
     def signals_url(self) -> str | None:
         """Where :meth:`engine_signals` reads the engine's metrics; None for a kind that
         reads none (its pools learn from latency)."""

@@ -39,16 +39,11 @@ from typing import Any
 
 import httpx
 
-from ..model import clamp_retry_after
+from ..model import ENGINE_RETRY_AFTER, clamp_retry_after
 from .base import AdapterError
 
 #: How much of an engine message (or of a bad line) is quoted in an AdapterError.
 MAX_QUOTE = 500
-#: The retry hint (seconds) of an engine's 429 or 503 that gives no ``Retry-After`` (or
-#: one that is no number of seconds nor a date): the status itself says to ask again
-#: later, and a caller is never left without a hint (the gate's before it has seen a
-#: grant is the same).
-ENGINE_RETRY_AFTER = 1.0
 #: The reasons of the statuses by which an engine turns a run away for now.
 BUSY_REASONS = {429: "engine_busy", 503: "engine_unavailable"}
 

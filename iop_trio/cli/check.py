@@ -8,6 +8,7 @@ it serves its model and the edge whether it takes the node's token, and
 
 from __future__ import annotations
 
+import math
 import os
 from typing import TextIO
 from urllib.parse import urlsplit
@@ -29,8 +30,9 @@ def check_config(config: NodeConfig, out: TextIO, *, probe: bool = False) -> int
     """Build everything the config describes (nothing is started) and summarise it,
     tracing as ``serve`` would resolve it (with the OTEL_* variables).
 
-    With ``probe``, also ask each engine which models it serves and open a WebSocket
-    to the edge with the node's token; 1 if any target or the edge cannot be reached.
+    With ``probe``, also ask each engine (each replica) which models it serves and open
+    a WebSocket to the edge with the node's token; 1 if any target, replica or the edge
+    cannot be reached.
     """
     from ..store.memory import MemoryStore
 
@@ -58,7 +60,15 @@ def check_config(config: NodeConfig, out: TextIO, *, probe: bool = False) -> int
     for name, adapter in node.adapters.items():
         bound = limits.adapters[name]
         limit = learned_pool(node, f"adapter:{name}") or ("-" if bound is None else str(bound))
-        out.write(f"  adapter {name} ({adapter.kind}) limit={limit}\n")
+        replicas = node.gate.scheduler.replica_sets.get(name)
+        routing = "" if replicas is None else f" routing={replicas.routing}"
+        out.write(f"  adapter {name} ({adapter.kind}) limit={limit}{routing}\n")
+        for replica in () if replicas is None else replicas.replicas:
+            own = replica.pool.limit
+            shown = learned_pool(node, replica.pool.name) or (
+                "-" if own == math.inf else f"{own:g}"
+            )
+            out.write(f"    replica {replica.name} weight={replica.weight:g} limit={shown}\n")
     for name in node.targets:
         limit = learned_pool(node, f"target:{name}") or str(limits.targets[name])
         out.write(f"  target {name} limit={limit}\n")
@@ -81,6 +91,12 @@ async def probe_reach(config: NodeConfig, node: Node, out: TextIO) -> bool:
     finally:
         for adapter in node.adapters.values():
             await adapter.aclose()
+    for owner, engines in node.replicas.items():
+        for replica in engines:
+            down = node.replica_health.down.get((owner, replica))
+            reached &= down is None
+            said = "reachable" if down is None else f"DOWN: {down}"
+            out.write(f"  probe adapter {owner} replica {replica}: {said}\n")
     for name, target in node.targets.items():
         why = unavailable.get(name)
         reached &= why is None
@@ -137,7 +153,7 @@ async def probe_signals(node: Node, out: TextIO) -> None:
                 if signals.kv_usage is not None:
                     said += f", KV cache {signals.kv_usage:.0%} used"
                 said += ")"
-        out.write(f"  probe {pool.replace(':', ' ')} learns from {said}\n")
+        out.write(f"  probe {pool.replace(':', ' ', 1)} learns from {said}\n")
 
 
 def config_warnings(config: NodeConfig, limits: Limits) -> list[str]:

@@ -30,9 +30,11 @@ from ..model import (
     field_check,
     limit_problem,
     positive_problem,
+    redact_url,
     seconds_problem,
 )
-from ..runtime import AdapterSlot, RuntimeLimits
+from ..runtime import AdapterSlot, ReplicaSlot, RuntimeLimits
+from ..runtime.replicas import ROUTINGS
 from ..runtime.tickets import HOLD_AFTER
 from ..structure import problems, strict_converter
 from ..transport.tls import client_context
@@ -178,9 +180,30 @@ class TenantConfig:
         )
 
 
+def _routing(value: object) -> str | None:
+    if value in ROUTINGS:
+        return None
+    return f"must be one of {', '.join(ROUTINGS)}, not {value!r}"
+
+
+@attrs.frozen
+class ReplicaConfig:
+    """One engine of an adapter with ``replicas:`` (a plain URL is one with only ``url``).
+    ``concurrency`` null: learned if the adapter's is ``auto``, else bounded only by the
+    adapter's."""
+
+    url: str
+    api_key: str | None = None
+    weight: float = attrs.field(default=1.0, validator=_positive_number)
+    concurrency: int | str | None = attrs.field(default=None, validator=_concurrency(1))
+    token_budget: int | None = attrs.field(default=None, validator=_int_at_least(1))
+
+
 @attrs.frozen
 class AdapterConfig:
-    """One adapter instance. ``settings`` are the kind's own keys (base_url, api_key, ...)."""
+    """One adapter instance. ``settings`` are the kind's own keys (base_url, api_key, ...);
+    ``replicas``: the engines it spreads its runs over (instead of one ``base_url``),
+    picked per run by ``routing``."""
 
     kind: str
     # an integer, or "auto": learned between concurrency_min and concurrency_max
@@ -189,9 +212,19 @@ class AdapterConfig:
     concurrency_min: int | None = attrs.field(default=None, validator=_int_at_least(1))
     concurrency_max: int | None = attrs.field(default=None, validator=_int_at_least(1))
     token_budget: int | None = attrs.field(default=None, validator=_int_at_least(1))
+    replicas: list[ReplicaConfig] | None = None
+    routing: str = attrs.field(default="least_loaded", validator=field_check(_routing))
     settings: dict[str, Any] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
+        if self.replicas is not None:
+            if not self.replicas:
+                raise ValueError("replicas: must name at least one engine")
+            if "base_url" in self.settings:
+                raise ValueError("base_url: give either base_url or replicas, not both")
+            urls = [r.url for r in self.replicas]
+            if len(set(urls)) != len(urls):
+                raise ValueError("replicas: a url is named twice")
         high = self.concurrency_max
         if self.concurrency == "auto" and high is None and self.max_concurrency is not None:
             high = self.max_concurrency  # learned up to the engine's own bound
@@ -416,12 +449,19 @@ class NodeConfig:
         registry = registry or default_registry()
         slots = []
         for name, cfg in self.adapters.items():
+            replicas = tuple(
+                _replica_slot(registry, name, cfg, i, self.source)
+                for i in range(len(cfg.replicas or ()))
+            )
+            adapter = replicas[0].adapter if replicas else None
             slots.append(
                 AdapterSlot(
-                    _make_adapter(registry, name, cfg, self.source),
+                    adapter or _make_adapter(registry, name, cfg, self.source),
                     cfg.static_concurrency(),
                     token_budget=cfg.token_budget,
-                    auto=cfg.auto(),
+                    auto=None if replicas else cfg.auto(),
+                    replicas=replicas,
+                    routing=cfg.routing,
                 )
             )
         return slots
@@ -465,8 +505,16 @@ def split_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def adapter_settings(registry: AdapterRegistry, name: str, cfg: AdapterConfig, source: str) -> Any:
-    """The kind's settings object from the adapter's keys; ConfigError naming the key."""
+def adapter_settings(
+    registry: AdapterRegistry,
+    name: str,
+    cfg: AdapterConfig,
+    source: str,
+    replica: int | None = None,
+) -> Any:
+    """The kind's settings object from the adapter's keys (with ``replicas``: those of
+    replica number ``replica``, its url and api_key in; None: every replica is
+    checked, the first's returned); ConfigError naming the key."""
     where = f"{source}: adapters.{name}"
     if cfg.kind not in registry:
         raise ConfigError(f"{where}.kind: unknown kind {cfg.kind!r} (known: {', '.join(registry)})")
@@ -477,16 +525,64 @@ def adapter_settings(registry: AdapterRegistry, name: str, cfg: AdapterConfig, s
             raise ConfigError(
                 f"{where}.{key}: not a setting of kind {cfg.kind!r} (known: {', '.join(known)})"
             )
+    if cfg.replicas is None:
+        return _structure_settings(cfg.settings, settings_type, f"adapters.{name}", source)
+    if "base_url" not in known:
+        raise ConfigError(
+            f"{where}.replicas: kind {cfg.kind!r} has no base_url: it takes no replicas"
+        )
+    found = []
+    for i, one in enumerate(cfg.replicas):
+        if replica is not None and i != replica:
+            continue
+        own = {**cfg.settings, "base_url": one.url}
+        if one.api_key is not None:
+            own["api_key"] = one.api_key
+        path = f"adapters.{name}.replicas[{i}]"
+        found.append(_structure_settings(own, settings_type, path, source))
+    return found[0]
+
+
+def _structure_settings(settings: dict[str, Any], kind: type, path: str, source: str) -> Any:
     try:
-        return CONVERTER.structure(cfg.settings, settings_type)
+        return CONVERTER.structure(settings, kind)
     except Exception as exc:  # cattrs raises class validation groups
-        lines = error_lines(exc, prefix=f"adapters.{name}")
+        lines = error_lines(exc, prefix=path)
         raise ConfigError("\n".join(f"{source}: {m}" for m in lines)) from None
 
 
-def _make_adapter(registry: AdapterRegistry, name: str, cfg: AdapterConfig, source: str) -> Adapter:
-    settings = adapter_settings(registry, name, cfg, source)
+def _make_adapter(
+    registry: AdapterRegistry,
+    name: str,
+    cfg: AdapterConfig,
+    source: str,
+    replica: int | None = None,
+) -> Adapter:
+    settings = adapter_settings(registry, name, cfg, source, replica)
     return registry.create(cfg.kind, name, settings, max_concurrency=cfg.max_concurrency)
+
+
+def _replica_slot(
+    registry: AdapterRegistry, name: str, cfg: AdapterConfig, index: int, source: str
+) -> ReplicaSlot:
+    """Replica number ``index``'s adapter (the adapter's settings, its own url and
+    api_key) and its bounds: its own concurrency, else the adapter's ``auto`` learned
+    per replica."""
+    assert cfg.replicas is not None
+    replica = cfg.replicas[index]
+    adapter = _make_adapter(registry, name, cfg, source, index)
+    auto = cfg.auto() if replica.concurrency in (None, "auto") else None
+    if replica.concurrency == "auto" and auto is None:
+        auto = AutoConcurrency()
+    static = replica.concurrency if isinstance(replica.concurrency, int) else None
+    return ReplicaSlot(
+        adapter,
+        redact_url(replica.url),
+        concurrency=static,
+        token_budget=replica.token_budget,
+        weight=replica.weight,
+        auto=auto if static is None else None,
+    )
 
 
 # --- structuring ---------------------------------------------------------------------------
@@ -518,6 +614,8 @@ def _strict_converter() -> cattrs.Converter:
             "concurrency_min",
             "concurrency_max",
             "token_budget",
+            "replicas",
+            "routing",
         }
         core = {k: v for k, v in value.items() if k in known}
         settings = {k: v for k, v in value.items() if k not in known}
@@ -527,6 +625,15 @@ def _strict_converter() -> cattrs.Converter:
         return result
 
     conv.register_structure_hook(AdapterConfig, adapter)
+    base_replica = conv.get_structure_hook(ReplicaConfig)
+
+    def replica(value: Any, _: type) -> ReplicaConfig:
+        if isinstance(value, str):  # a plain base URL
+            value = {"url": value}
+        result: ReplicaConfig = base_replica(value, ReplicaConfig)
+        return result
+
+    conv.register_structure_hook(ReplicaConfig, replica)
     return conv
 
 

@@ -90,6 +90,7 @@ class GateCollector:
         g["iop_gate_queue_max"].add_metric([], stats.max_queued)
         g["iop_gate_queue_timeout_seconds"].add_metric([], stats.queue_timeout)
         _add_node(g, node)
+        _add_replicas(g, node)
         return [*g.values(), *self._link_families(), self._adjustments()]
 
     @staticmethod
@@ -146,6 +147,7 @@ def _add_levels(g: Gauges, stats: GateStatistics, configured: Mapping[str, Tenan
         ("adapter", stats.adapters),
         ("target", stats.targets),
         ("tenant", {n: t for n, t in stats.tenants.items() if n in configured}),
+        ("replica", stats.replicas),
     ]
     for level, by_name in levels:
         for name, tokens in by_name.items():
@@ -154,6 +156,14 @@ def _add_levels(g: Gauges, stats: GateStatistics, configured: Mapping[str, Tenan
             if tokens.budget != math.inf or tokens.reserved:
                 g["iop_gate_token_budget"].add_metric([level, name], float(tokens.budget))
                 g["iop_gate_tokens_reserved"].add_metric([level, name], tokens.reserved)
+
+
+def _add_replicas(g: Gauges, node: Node) -> None:
+    """Whether each replica is up (1) or marked down (0)."""
+    for adapter, replicas in node.replicas.items():
+        for replica in replicas:
+            up = (adapter, replica) not in node.replica_health.down
+            g["iop_replica_up"].add_metric([adapter, replica], int(up))
 
 
 def _add_node(g: Gauges, node: Node) -> None:

@@ -20,7 +20,9 @@ def node_readiness(node: Node, link: Any) -> tuple[bool, dict[str, Component]]:
     """Whether ``node`` is ready for runs, and the state of each component that decides
     it: ``node`` (running and admitting), ``store`` (writable), ``target:<name>`` (its
     engine answered the last probe and serves its model; available until probed),
-    ``capacity:<pool>`` (what a learned concurrency has learned; always ok), ``edge``
+    ``replica:<adapter>@<url>`` (up, or down and why; always ok: its target says
+    whether another is up), ``capacity:<pool>`` (what a learned concurrency has
+    learned; always ok), ``edge``
     (``link`` is up; only when ``link`` is not None)."""
     components: dict[str, Component] = {
         "node": _node_state(node),
@@ -32,6 +34,13 @@ def node_readiness(node: Node, link: Any) -> tuple[bool, dict[str, Component]]:
             "ok": why is None,
             "state": "available" if why is None else f"unavailable: {why}",
         }
+    for adapter, replicas in node.replicas.items():
+        for replica in replicas:
+            down = node.replica_health.down.get((adapter, replica))
+            components[f"replica:{adapter}@{replica}"] = {
+                "ok": True,  # its target is ready while another replica is up
+                "state": "up" if down is None else f"down: {down}",
+            }
     for pool, learner in node.learners.items():
         components[f"capacity:{pool}"] = {"ok": True, "state": _learned_state(learner.learned)}
     if link is not None:

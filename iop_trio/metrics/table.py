@@ -217,13 +217,21 @@ METRICS: tuple[MetricInfo, ...] = (
         "iop_gate_permits_limit",
         "gauge",
         ("level", "name"),
-        "Concurrency permits per level (global/adapter/target/tenant); +Inf = unbounded.",
+        "Concurrency permits per level (global/adapter/target/tenant/replica; a replica's "
+        "name is adapter@url); +Inf = unbounded.",
     ),
     MetricInfo(
         "iop_gate_permits_in_use",
         "gauge",
         ("level", "name"),
-        "Permits held now per level (global/adapter/target/tenant): runs holding one.",
+        "Permits held now per level (global/adapter/target/tenant/replica): runs holding one.",
+    ),
+    MetricInfo(
+        "iop_replica_up",
+        "gauge",
+        ("adapter", "replica"),
+        "1 while a replica of an adapter takes runs, 0 while it is marked down (it failed "
+        "a run before its first token; a probe or a run that streams clears it).",
     ),
     MetricInfo(
         "iop_gate_token_budget",

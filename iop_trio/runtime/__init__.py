@@ -26,7 +26,7 @@ from ..model import (
 from .gate import Gate, GateRejected, GateStatistics, Permit
 from .live import RunWatcher
 from .manager import CancelOutcome, RunManager, Submitted
-from .node import AdapterSlot, Node, RuntimeLimits
+from .node import AdapterSlot, Node, ReplicaSlot, RuntimeLimits
 
 __all__ = [
     "TRANSITIONS",
@@ -44,6 +44,7 @@ __all__ = [
     "NodeUnavailable",
     "Permit",
     "RejectReason",
+    "ReplicaSlot",
     "RunEvent",
     "RunManager",
     "RunRecord",

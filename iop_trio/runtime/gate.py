@@ -1,14 +1,15 @@
 """The concurrency gate: the Trio shell around the policy of :mod:`.scheduler`.
 
-A run holds one token of its tenant's ``trio.CapacityLimiter``, one of its target's,
-one of its adapter's and one of the node's, or none at all. The scheduler decides who
-may start (its pools count what the limiters hold, and the tokens runs reserve); the
-shell carries each decision out: a grant borrows the four tokens on behalf of the
-run's :class:`Permit`, always in the order tenant -> target -> adapter -> node (most
-specific first), and only once all four have room, so a run never sits on a token it
-cannot use yet, the fixed order cannot deadlock, and ``borrowed_tokens`` at every
-limiter equals the runs holding a permit under it. The rules (order, fair queueing,
-token budgets, refusals, holds) are the scheduler's; see its module docstring.
+A run holds one token of its tenant's ``trio.CapacityLimiter``, one of its target's, one
+of its adapter's and one of the node's (and, where its adapter has replicas, one of the
+replica the scheduler picked at its grant: :mod:`.replicas`), or none at all. The
+scheduler decides who may start (its pools count what the limiters hold, and the tokens
+runs reserve); the shell carries each decision out: a grant borrows the four tokens on
+behalf of the run's :class:`Permit`, always in the order tenant -> target -> adapter ->
+node (most specific first), and only once all four have room, so a run never sits on a
+token it cannot use yet, the fixed order cannot deadlock, and ``borrowed_tokens`` at
+every limiter equals the runs holding a permit under it. The rules (order, fair
+queueing, token budgets, refusals, holds) are the scheduler's; see its module docstring.
 
 Runs wait in one of two ways. :meth:`Gate.acquire` is for a task that waits (it parks
 with ``wait_task_rescheduled``; its abort takes the ticket out of the queue, so a
@@ -34,7 +35,8 @@ from typing import NoReturn
 import attrs
 import trio
 
-from ..model import RejectReason, TenantLimits
+from ..model import EngineSignals, RejectReason, RunSpec, TenantLimits
+from .replicas import ReplicaSet, ReplicaSpec, affinity_of
 from .scheduler import (
     INF,
     Pool,
@@ -122,6 +124,16 @@ class Permit:
         """When it was granted (trio time), None before."""
         return self._ticket.granted_at
 
+    @property
+    def replica(self) -> str | None:
+        """The name of the replica it holds a place at (None: its adapter has none)."""
+        return self._gate.replica_of(self._ticket)
+
+    def reroute(self) -> str | None:
+        """Move it to another replica that has room now (its own failed the run before
+        a first token); that replica's name, or None if none has (it stays)."""
+        return self._gate.reroute(self._ticket)
+
     def settle(self, used: int | None) -> None:
         """The tokens the run really used (None: unknown, its reservation stands)."""
         self.used = used
@@ -166,6 +178,8 @@ class GateStatistics:
     queued_by_tenant: Mapping[str, int] = attrs.field(factory=dict)
     queued_by_priority: Mapping[int, int] = attrs.field(factory=dict)
     running_by_priority: Mapping[int, int] = attrs.field(factory=dict)
+    #: each replica's, by ``ADAPTER@NAME``
+    replicas: Mapping[str, LimiterStats] = attrs.field(factory=dict)
 
 
 def _stats(stats: PoolStats, limiter: trio.CapacityLimiter | None) -> LimiterStats:
@@ -301,6 +315,46 @@ class Gate:
         )
         self._limiter(lane.target)
 
+    def add_replicas(
+        self, adapter: str, specs: list[ReplicaSpec], routing: str = "least_loaded"
+    ) -> ReplicaSet:
+        """Spread ``adapter``'s runs over replicas (see :mod:`.replicas`)."""
+        replicas = self.scheduler.add_replicas(adapter, specs, routing)
+        self._mirror(r.pool for r in replicas.replicas)
+        return replicas
+
+    def replica_of(self, ticket: Ticket) -> str | None:
+        if ticket.replica is None:
+            return None
+        return self.scheduler.replica_sets[ticket.lane.adapter_name].of_pool(ticket.replica).name
+
+    def mark_replica(self, adapter: str, name: str, down: bool) -> None:
+        """Mark a replica down (it gets no run) or clear it (waiting runs may go there)."""
+        replicas = self.scheduler.replica_sets[adapter]
+        granted = self.scheduler.mark_replica(adapter, name, down, _now())
+        self._changed_limits(granted, replicas.by_name[name].pool)
+
+    def set_replica_signals(self, adapter: str, name: str, signals: EngineSignals | None) -> None:
+        """A replica's engine's figures, as scraped; None: the scrape failed, and it is
+        taken for saturated (picked last) until one answers."""
+        replicas = self.scheduler.replica_sets[adapter]
+        if signals is None:
+            replicas.set_signals(name, math.inf, 1.0)
+        else:
+            replicas.set_signals(name, signals.waiting, signals.kv_usage)
+
+    def reroute(self, ticket: Ticket) -> str | None:
+        """See :meth:`Permit.reroute`."""
+        was = ticket.replica
+        other = self.scheduler.reroute(ticket, _now())
+        if other is None or was is None:
+            return None
+        self._limiter(was).release_on_behalf_of(ticket)
+        self._limiter(other.pool).acquire_on_behalf_of_nowait(ticket)
+        granted = self.scheduler.dispatch(_now())  # the room it left may take a waiter
+        self._carry_out(granted)
+        return other.name
+
     def _changed_limits(self, granted: list[Ticket], *pools: Pool) -> None:
         self._mirror(pools)
         self._carry_out(granted)
@@ -414,6 +468,11 @@ class Gate:
             queued_by_tenant={n: t.queued for n, t in s.tenants.items()},
             queued_by_priority=s.queued_by_priority(),
             running_by_priority=dict(s.running_by_priority),
+            replicas={
+                f"{adapter}@{r.name}": stats(r.pool)
+                for adapter, replicas in s.replica_sets.items()
+                for r in replicas.replicas
+            },
         )
 
     # --- admission -----------------------------------------------------------------------
@@ -476,8 +535,10 @@ class Gate:
         tenant: str = "",
         queue_timeout: float | None = None,
         cost: int = 0,
+        spec: RunSpec | None = None,
     ) -> Permit | None:
         """:meth:`acquire` for a run that waits as data, not as a task: never waits.
+        ``spec``: the run's, whose prompt says where prefix routing sends it.
 
         Returns a Permit if the run may start now; raises GateRejected if it is refused
         at once (as ``acquire`` would be before waiting); else it waits in the queue and
@@ -488,7 +549,9 @@ class Gate:
         order between runs is the same as for runs waiting in ``acquire``. RuntimeError,
         and the gate as it was, if the run would wait and :attr:`decide` is None.
         """
-        ticket, refusal = self._admit(borrower, target, priority, tenant, cost, queue_timeout)
+        ticket, refusal = self._admit(
+            borrower, target, priority, tenant, cost, queue_timeout, self._affinity(target, spec)
+        )
         if refusal is not None:
             raise GateRejected.of(refusal)
         if ticket.granted:
@@ -511,6 +574,7 @@ class Gate:
         priority: int = 0,
         tenant: str = "",
         cost: int = 0,
+        spec: RunSpec | None = None,
     ) -> Permit | None:
         """The Permit :meth:`enter` would grant at once, or None and the gate is as it was.
 
@@ -519,7 +583,12 @@ class Gate:
         call brought is forgotten again.
         """
         ticket = self.scheduler.ticket(
-            borrower, target, priority=priority, tenant=tenant, cost=cost
+            borrower,
+            target,
+            priority=priority,
+            tenant=tenant,
+            cost=cost,
+            affinity=self._affinity(target, spec),
         )
         if not self.scheduler.start_now(ticket, trio.current_time()):
             return None
@@ -553,6 +622,7 @@ class Gate:
         tenant: str,
         cost: int,
         queue_timeout: float | None,
+        affinity: int | None = None,
     ) -> tuple[Ticket, Refusal | None]:
         """A new ticket for ``borrower``'s run, admitted now: granted, waiting, or refused
         (the Refusal); UnknownTarget for a target not registered."""
@@ -563,8 +633,18 @@ class Gate:
             tenant=tenant,
             cost=cost,
             queue_timeout=queue_timeout,
+            affinity=affinity,
         )
         return ticket, self.scheduler.admit(ticket, trio.current_time())
+
+    def _affinity(self, target: str, spec: RunSpec | None) -> int | None:
+        """``spec``'s affinity (:func:`~.replicas.affinity_of`) where ``target``'s adapter
+        routes by prefix, else None (nothing to hash)."""
+        lane = self.scheduler.lanes.get(target)
+        replicas = None if lane is None else self.scheduler.replica_sets.get(lane.adapter_name)
+        if spec is None or replicas is None or replicas.routing != "prefix":
+            return None
+        return affinity_of(spec.prompt, spec.messages)
 
     async def _turn_away(self, refusal: Refusal) -> NoReturn:
         await trio.lowlevel.cancel_shielded_checkpoint()
@@ -580,7 +660,9 @@ class Gate:
         """The level that was full as ``borrower``'s waiting run is now (see
         :meth:`~.tickets.Ticket.full_level`); None if it does not wait."""
         ticket = self.scheduler.waiting(borrower)
-        return None if ticket is None else ticket.full_level(trio.current_time())
+        if ticket is None:
+            return None
+        return self.scheduler.full_level(ticket, trio.current_time())
 
     def is_waiting(self, borrower: object) -> bool:
         """Whether ``borrower``'s run waits in the queue."""

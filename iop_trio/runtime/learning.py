@@ -71,6 +71,8 @@ class CapacityLearner:
         #: the node)
         self.in_engine: Callable[[], Iterable[tuple[Permit, float, bool]]] = lambda: ()
         self._told: weakref.WeakSet[Permit] = weakref.WeakSet()  # runs said to wait
+        #: told each scrape (None: it failed), for a replica's routing (set by the node)
+        self.scraped: Callable[[EngineSignals | None], None] | None = None
 
     def __repr__(self) -> str:
         return f"<CapacityLearner {self.name} {self.learned!r}>"
@@ -110,10 +112,15 @@ class CapacityLearner:
     async def _read(self) -> EngineSignals | AdapterError | None:
         """The engine's signals, None if it exposes none, or the AdapterError."""
         try:
-            return await self.adapter.engine_signals(trio.current_time())
+            signals = await self.adapter.engine_signals(trio.current_time())
         except AdapterError as exc:
             self.last_error = exc.message
+            if self.scraped is not None:
+                self.scraped(None)
             return exc
+        if self.scraped is not None and signals is not None:
+            self.scraped(signals)
+        return signals
 
     def _jittered(self, seconds: float) -> float:
         return seconds * (1 + 0.25 * self._rng.random())

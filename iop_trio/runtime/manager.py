@@ -65,7 +65,7 @@ from ..store.base import RunStore, StoreError, StoreHealth, StoreUnavailable
 from .gate import Admitted, Expired, Gate, GateDecision, GateRejected, Permit
 from .live import Listener, LiveRun, LiveRuns, Outcome, RunPhase, RunWatcher
 from .live import notify as notify  # runtime/node.py imports it from here
-from .pipeline import EngineAnswered, FirstToken, StreamRelay
+from .pipeline import EngineAnswered, FirstToken, ReplicaEngines, StreamRelay
 from .reservation import Reservations
 from .spans import NO_TRACER, RunTracer
 from .specs import PRIORITIES as PRIORITIES
@@ -140,6 +140,7 @@ class RunManager:
         run_ended: RunEnded | None = None,
         first_token: FirstToken | None = None,
         tracer: RunTracer = NO_TRACER,
+        replicas: ReplicaEngines | None = None,
     ) -> None:
         self._nursery = nursery
         self._tracer = tracer  # each run's spans (runtime/spans.py)
@@ -157,9 +158,7 @@ class RunManager:
         # stored (or given up on) and the run's own live record, which they must
         # not change; one that raises is logged and skipped
         self.runs = LiveRuns(store, listeners if listeners is not None else [], wall_clock)
-        self._relay = StreamRelay(
-            self.runs, wall_clock, engine_answered=engine_answered, first_token=first_token
-        )
+        self._relay = StreamRelay(self.runs, wall_clock, engine_answered, first_token, replicas)
         # runs being stored QUEUED that enter the gate after, in the order they came:
         # while there are any, no run takes a permit before its own QUEUED write
         self._entering: collections.deque[_Entering] = collections.deque()
@@ -275,7 +274,7 @@ class RunManager:
         if not self._entering:
             # a run that may start at once stores STARTED with QUEUED: one write, not two
             permit = self._gate.enter_now(
-                live, spec.target, priority=spec.priority, tenant=spec.tenant, cost=cost
+                live, spec.target, priority=spec.priority, tenant=spec.tenant, cost=cost, spec=spec
             )
             if permit is not None:
                 live.permit = permit
@@ -331,6 +330,7 @@ class RunManager:
                 tenant=spec.tenant,
                 queue_timeout=spec.queue_timeout,
                 cost=entry.cost,
+                spec=spec,
             )
         except GateRejected as rejected:
             return partial(self._finish, live, _rejected(rejected))
@@ -485,7 +485,9 @@ class RunManager:
         )
         limit = target.max_run_time
         with trio.move_on_after(math.inf if limit is None else limit):
-            return await self._relay.relay(live, self._adapters[target.adapter], request, target)
+            return await self._relay.relay_run(
+                live, self._adapters[target.adapter], request, target
+            )
         # leaving the adapter's stream on the deadline closed it
         return Outcome(
             RunStatus.FAILED,

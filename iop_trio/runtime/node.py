@@ -18,6 +18,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import TypeVar
 
 import attrs
@@ -50,6 +51,9 @@ from ..tracing import get_tracer
 from .gate import Gate, Permit
 from .learning import CapacityLearner
 from .manager import RunManager, notify
+from .pipeline import ReplicaEngines
+from .replica_health import ReplicaHealth
+from .replicas import ReplicaSpec
 from .spans import RunTracer
 from .tickets import HOLD_AFTER, Pool
 
@@ -102,13 +106,30 @@ class RuntimeLimits:
 
 
 @attrs.frozen
+class ReplicaSlot:
+    """One engine of an adapter with replicas: its own adapter instance (the adapter's
+    name and settings, its own URL), named by its URL less credentials, and its bounds."""
+
+    adapter: Adapter
+    name: str
+    concurrency: int | None = None
+    token_budget: int | None = None
+    weight: float = 1.0
+    auto: AutoConcurrency | None = None  # a learned concurrency instead of ``concurrency``
+
+
+@attrs.frozen
 class AdapterSlot:
-    """An adapter instance and its configured limit (None = only its capability's, if any)."""
+    """An adapter instance and its configured limit (None = only its capability's, if any).
+    With ``replicas``, ``adapter`` is the first's, and each run goes to one of them
+    (picked by ``routing``: :mod:`.replicas`)."""
 
     adapter: Adapter
     concurrency: int | None = None
     token_budget: int | None = None
     auto: AutoConcurrency | None = None  # a learned concurrency instead of ``concurrency``
+    replicas: tuple[ReplicaSlot, ...] = ()
+    routing: str = "least_loaded"
 
 
 def _either(own: T | None, default: T | None) -> T | None:
@@ -155,8 +176,11 @@ class Node:
         for name, share in self.runtime.tenants.items():
             self.gate.set_tenant(name, share)
         self._adapters: dict[str, Adapter] = {}
+        #: each adapter with replicas: its replicas' adapters, by replica name
+        self.replicas: dict[str, dict[str, Adapter]] = {}
         for slot in adapters:
             self._add_adapter(slot if isinstance(slot, AdapterSlot) else AdapterSlot(slot))
+        self.replica_health = ReplicaHealth(self.gate, self.replicas)
         self.targets: dict[str, TargetSpec] = {}
         for target in targets:
             self._add_target(target)
@@ -193,6 +217,27 @@ class Node:
             pool = self.gate.adapter_pool(name)
             pool.counts_tokens = True  # its capacity is learned in tokens too
             self.auto[pool.name] = (slot.auto, pool)
+        if slot.replicas:
+            self._add_replicas(name, slot)
+
+    def _add_replicas(self, name: str, slot: AdapterSlot) -> None:
+        """Register ``slot``'s replicas in the gate, each a pool below its adapter's, one
+        learning its own concurrency where it is ``auto``."""
+        specs = [
+            ReplicaSpec(
+                r.name,
+                r.concurrency if r.auto is None else r.auto.maximum,
+                r.token_budget,
+                r.weight,
+            )
+            for r in slot.replicas
+        ]
+        replicas = self.gate.add_replicas(name, specs, slot.routing)
+        self.replicas[name] = {r.name: r.adapter for r in slot.replicas}
+        for config, replica in zip(slot.replicas, replicas.replicas, strict=True):
+            if config.auto is not None:
+                replica.pool.counts_tokens = True
+                self.auto[replica.pool.name] = (config.auto, replica.pool)
 
     def _add_target(self, target: TargetSpec) -> None:
         """Register ``target`` and its lane in the gate; ValueError for a name taken or an
@@ -219,8 +264,12 @@ class Node:
         self.targets[target.name] = self._bounded(target)
 
     def adapter_of_pool(self, name: str) -> Adapter:
-        """The adapter of a pool named ``adapter:NAME`` or ``target:NAME``."""
+        """The adapter of a pool named ``adapter:NAME``, ``target:NAME`` or (a replica's)
+        ``replica:ADAPTER@URL``."""
         kind, _, which = name.partition(":")
+        if kind == "replica":
+            adapter, _, replica = which.partition("@")
+            return self.replicas[adapter][replica]
         return self._adapters[which if kind == "adapter" else self.targets[which].adapter]
 
     def run_ended(self, permit: Permit, ttft: float, tpot: float | None) -> None:
@@ -311,7 +360,8 @@ class Node:
         finally:
             self._manager = None  # it may run again; the gate and the store carry over
             with trio.CancelScope(shield=True):
-                for adapter in self._adapters.values():
+                others = [a for r in self.replicas.values() for a in r.values()]
+                for adapter in {id(a): a for a in [*self._adapters.values(), *others]}.values():
                     try:
                         await adapter.aclose()
                     except Exception:
@@ -345,13 +395,26 @@ class Node:
             first_token=self.first_token if self.auto else None,
             chars_per_token=self.runtime.chars_per_token,
             tracer=RunTracer(self.tracer, self.node_id, self._adapters),
+            replicas=ReplicaEngines(self.replicas, self._replica_answered)
+            if self.replicas
+            else None,
         )
         for name, (auto, pool) in self.auto.items():
             learner = CapacityLearner(name, auto, pool, self.adapter_of_pool(name), self.gate)
             learner.in_engine = manager.in_engine
+            if name.startswith("replica:"):  # its scrapes steer least_loaded routing too
+                adapter, _, replica = name.removeprefix("replica:").partition("@")
+                learner.scraped = partial(self.gate.set_replica_signals, adapter, replica)
             self.learners[name] = learner
             nursery.start_soon(learner.run)
         return manager
+
+    def _replica_answered(self, adapter: str, replica: str, why: str | None) -> None:
+        """A replica failed a run before its first token (``why``) or streamed one."""
+        before = self.replica_health.changes
+        self.replica_health.answered(adapter, replica, why)
+        if self.replica_health.changes != before:
+            self._note_unavailable()
 
     # --- limits --------------------------------------------------------------------------
 
@@ -440,10 +503,12 @@ class Node:
         used = {t.adapter for t in self.targets.values()}
         async with trio.open_nursery() as nursery:
             for name, adapter in self._adapters.items():
-                if name in used:
+                if name in used and name not in self.replicas:
                     nursery.start_soon(self._ask_models, name, adapter, answers)
             for name in self._hung:
                 nursery.start_soon(self._try_probe_run, self.targets[name], answered)
+            if self.replicas:  # each replica: its list, and its down mark
+                answers.update(await self.replica_health.probe())
         self._unlisted = {
             name: why
             for name, target in self.targets.items()
@@ -502,6 +567,8 @@ class Node:
         Other failures change nothing (an engine that answers with an error is
         answering; a dead one fails its list probe, ``run_timeout`` is the run's own
         bound). A healthy target's run costs one lookup here."""
+        if self.targets[target].adapter in self.replicas:
+            return  # its replicas are marked, not it (ReplicaHealth)
         if error is None:
             if target not in self._hung:
                 return
@@ -537,10 +604,11 @@ class Node:
     def _note_unavailable(self) -> None:
         """Make :attr:`unavailable` what the probes and the runs found: a target whose
         list says it is not served, else one whose runs get no answer, with why."""
+        down = self.replica_health.all_down
         unavailable = {
-            name: self._unlisted.get(name) or self._hung[name]
-            for name in self.targets
-            if name in self._unlisted or name in self._hung
+            name: why
+            for name, target in self.targets.items()
+            if (why := down(target.adapter) or self._unlisted.get(name) or self._hung.get(name))
         }
         if unavailable == self.unavailable:
             return

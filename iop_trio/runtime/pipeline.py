@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 
 import attrs
 import trio
 
 from ..adapters.base import Adapter, AdapterError, AdapterRequest, Chunk, Delta
-from ..model import MAX_JOINED_TEXT, RunStatus, TargetSpec, Usage
+from ..model import ENGINE_RETRY_AFTER, MAX_JOINED_TEXT, RunStatus, TargetSpec, Usage
 from .gate import Permit
 from .live import LiveRun, LiveRuns, Outcome
 
@@ -36,6 +36,13 @@ GATHER_TEXT = 256 * 1024
 EngineAnswered = Callable[[str, float, AdapterError | None], None]
 #: Told, as a run's first token comes, its permit and the seconds since its request went out.
 FirstToken = Callable[[Permit, float], None]
+#: Told ``(adapter, replica, why)`` how a replica answered a run: ``why`` is None if it
+#: streamed it, else why it failed it before a first token (it is then marked down).
+ReplicaAnswered = Callable[[str, str, str | None], None]
+#: The reasons of a replica's failure before a run's first token after which the run
+#: goes to another replica, once: it refused to connect, did not answer in time, or
+#: said it is busy or unavailable (429, 503). Any other failure is the run's own.
+FAILOVER_REASONS = frozenset({"connection", "timeout", "engine_busy", "engine_unavailable"})
 
 
 class Batches:
@@ -168,6 +175,26 @@ class _Relayed:
     completed: bool = False  # a Completion came: what follows is ignored
 
 
+def _unavailable(why: str, last: Outcome) -> Outcome:
+    """``engine_unavailable``: no replica could take a run (``last``: the last failure),
+    with its engine's retry hint or :data:`~iop_trio.model.ENGINE_RETRY_AFTER`."""
+    return Outcome(
+        RunStatus.FAILED,
+        "engine_unavailable",
+        f"{why} ({last.message})",
+        retry_after=last.retry_after or ENGINE_RETRY_AFTER,
+    )
+
+
+@attrs.frozen
+class ReplicaEngines:
+    """The adapters of each adapter's replicas (by adapter, then replica name), and who
+    is told how each answers a run."""
+
+    adapters: Mapping[str, Mapping[str, Adapter]]
+    answered: ReplicaAnswered
+
+
 @attrs.define(eq=False)
 class StreamRelay:
     """Relays an admitted run's engine stream as its delta events (see the module
@@ -177,6 +204,39 @@ class StreamRelay:
     wall_clock: Callable[[], float]
     engine_answered: EngineAnswered | None = None
     first_token: FirstToken | None = None
+    replicas: ReplicaEngines | None = None
+
+    async def relay_run(
+        self, live: LiveRun, adapter: Adapter, request: AdapterRequest, target: TargetSpec
+    ) -> Outcome:
+        """:meth:`relay` on ``adapter``, or, where the run's permit holds a replica, on that
+        replica's; a replica that fails the run before its first token for one of
+        :data:`FAILOVER_REASONS` is marked down and the run goes to another that has
+        room now, once (nothing was streamed, so nothing is stored twice). With none to
+        go to, or when that one fails it the same way, it ends ``engine_unavailable``
+        (:func:`_unavailable`)."""
+        permit, replicas = live.permit, self.replicas
+        replica = None if permit is None else permit.replica
+        if permit is None or replica is None or replicas is None:
+            return await self.relay(live, adapter, request, target)
+        engines = replicas.adapters[target.adapter]
+        outcome = await self.relay(live, engines[replica], request, target)
+        failed = outcome.status is RunStatus.FAILED and outcome.reason in FAILOVER_REASONS
+        if failed or outcome.ttft is not None:
+            replicas.answered(target.adapter, replica, outcome.message if failed else None)
+        if not failed or live.first_at is not None:
+            return outcome
+        other = permit.reroute()
+        if other is None:
+            return _unavailable(f"no other replica of adapter {target.adapter!r} is up", outcome)
+        log.info(
+            "run %s: %s failed it (%s), on to %s", request.run_id, replica, outcome.reason, other
+        )
+        outcome = await self.relay(live, engines[other], request, target)
+        if outcome.reason not in FAILOVER_REASONS or live.first_at is not None:
+            return outcome
+        replicas.answered(target.adapter, other, outcome.message)
+        return _unavailable(f"{replica} and {other} both failed the run", outcome)
 
     async def relay(
         self, live: LiveRun, adapter: Adapter, request: AdapterRequest, target: TargetSpec
@@ -190,7 +250,8 @@ class StreamRelay:
             return await self._relay(live, adapter, request, target)
         outcome: Outcome | None = None
         try:
-            outcome = await self._relay(live, adapter, spans.engine_began(request), target)
+            began = spans.engine_began(request, adapter.server)
+            outcome = await self._relay(live, adapter, began, target)
             return outcome
         finally:
             spans.engine_ended(outcome)

@@ -7,15 +7,17 @@ out. So the rules can be read in one place and driven directly by tests, with no
 clock and no tasks.
 
 **Pools.** A run takes from four pools: its tenant's, its target's, its adapter's and
-the node's. Each pool bounds the runs it holds at once (``limit``; ``math.inf`` for
-none) and the tokens they reserve at once (``budget``; ``math.inf`` for none). A run
-*fits* a pool if one more run stays within the limit and its ``cost`` (its prompt
-tokens plus the most output tokens it may make; 0 where no token rule applies) within
-the budget. A tenant may also have a token rate (``tokens_per_minute``): a bucket of a
-minute's worth, which a run's cost is charged to when it starts (the bucket may go into
-a debt by one run larger than what is left) and corrected at settlement by what the
-run really used. A run starts only when it fits all four pools and its tenant's bucket
-is not in debt by more than its cost allows (see :meth:`Tenant.ready`).
+the node's (and where its adapter has replicas, one replica's, picked as it is granted:
+:mod:`.replicas`; a run waits while none fits it). Each pool bounds the runs it holds at
+once (``limit``; ``math.inf`` for none) and the tokens they reserve at once (``budget``;
+``math.inf`` for none). A run *fits* a pool if one more run stays within the limit and
+its ``cost`` (its prompt tokens plus the most output tokens it may make; 0 where no
+token rule applies) within the budget. A tenant may also have a token rate
+(``tokens_per_minute``): a bucket of a minute's worth, which a run's cost is charged to
+when it starts (the bucket may go into a debt by one run larger than what is left) and
+corrected at settlement by what the run really used. A run starts only when it fits all
+four pools and its tenant's bucket is not in debt by more than its cost allows (see
+:meth:`Tenant.ready`).
 
 **Admission** (:meth:`Scheduler.admit`):
 
@@ -66,6 +68,7 @@ are in :mod:`.tickets`, which imports only the model too; this module holds the
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from contextlib import closing
 
 from ..model import (
@@ -78,6 +81,8 @@ from ..model import (
     check_tenant_limits,
     clamp_retry_after,
 )
+from .refusals import expired, queue_full
+from .replicas import Replica, ReplicaSet, ReplicaSpec
 from .tickets import (
     HOLD_AFTER,
     INF,
@@ -137,6 +142,7 @@ class Scheduler:
         self.max_queued = check_limit("max_queued", max_queued)
         self.queue_timeout = check_seconds("queue_timeout", queue_timeout)
         self.adapters: dict[str, Pool] = {}
+        self.replica_sets: dict[str, ReplicaSet] = {}  # by adapter, where it has replicas
         self._adapter_caps: dict[str, int | None] = {}
         self.lanes: dict[str, Lane] = {}
         self._busy: dict[Lane, None] = {}  # lanes with waiters, for dispatch in O(targets)
@@ -184,6 +190,16 @@ class Scheduler:
         self._note_tokens()
         return pool
 
+    def add_replicas(
+        self, adapter: str, specs: Sequence[ReplicaSpec], routing: str = "least_loaded"
+    ) -> ReplicaSet:
+        """Spread ``adapter``'s runs over replicas (:mod:`.replicas`), each a pool below it."""
+        if adapter not in self.adapters or adapter in self.replica_sets:
+            raise ValueError(f"adapter {adapter!r} is unknown or has its replicas already")
+        replicas = self.replica_sets[adapter] = ReplicaSet(adapter, specs, routing)
+        self._note_tokens()
+        return replicas
+
     def add_target(
         self,
         name: str,
@@ -223,6 +239,7 @@ class Scheduler:
         self.tokens_in_use = (
             self.node.budget < INF
             or any(p.budget < INF for p in self.adapters.values())
+            or any(r.pool.budget < INF for s in self.replica_sets.values() for r in s.replicas)
             or any(lane.target.budget < INF for lane in self.lanes.values())
             or any(t.bucket is not None or t.pool.budget < INF for t in self.tenants.values())
         )
@@ -274,6 +291,9 @@ class Scheduler:
         takes from has a token budget (or learns one), or its tenant a token rate."""
         lane = self.lane(target)
         pools = [lane.target, lane.adapter, lane.node]
+        replicas = self.replica_sets.get(lane.adapter_name)
+        if replicas is not None:
+            pools += [r.pool for r in replicas.replicas]
         known = self.tenants.get(tenant)
         if known is not None:
             if known.bucket is not None:
@@ -283,9 +303,14 @@ class Scheduler:
 
     def waiting_for(self, pool: Pool) -> int:
         """Runs waiting whose target takes from ``pool`` (for the node's: all)."""
-        return sum(
-            lane.waiting for lane in self._busy if pool in (lane.target, lane.adapter, lane.node)
-        )
+        return sum(lane.waiting for lane in self._busy if self._takes_from(lane, pool))
+
+    def _takes_from(self, lane: Lane, pool: Pool) -> bool:
+        """Whether ``lane``'s runs take from ``pool`` (a replica's: any of its adapter's)."""
+        if pool in (lane.target, lane.adapter, lane.node):
+            return True
+        replicas = self.replica_sets.get(lane.adapter_name)
+        return replicas is not None and id(pool) in replicas.by_pool
 
     def smallest_waiting(self, pool: Pool) -> int | None:
         """The fewest tokens that a run waiting at the head of its flow (one that could go
@@ -293,7 +318,7 @@ class Scheduler:
         costs = [
             next(iter(flow)).cost
             for lane in self._busy
-            if pool in (lane.target, lane.adapter, lane.node)
+            if self._takes_from(lane, pool)
             for level in lane.levels.values()
             for flow in level.flows.values()
             if flow
@@ -362,15 +387,19 @@ class Scheduler:
         tenant: str = "",
         cost: int = 0,
         queue_timeout: float | None = None,
+        affinity: int | None = None,
     ) -> Ticket:
-        """A new ticket (state NEW) and the queue timeout that applies to it.
-        UnknownTarget for a target that is not registered."""
+        """A new ticket (state NEW) and the queue timeout that applies to it; ``affinity``:
+        its prompt's (:func:`~.replicas.affinity_of`), for prefix routing. UnknownTarget for
+        a target that is not registered."""
         lane = self.lane(target)
         timeout = self.queue_timeout if lane.queue_timeout is None else lane.queue_timeout
         if queue_timeout is not None:
             timeout = min(timeout, check_seconds("queue_timeout", queue_timeout))
         self._order += 1
-        return Ticket(key, lane, self.tenant(tenant), priority, self._order, max(0, cost), timeout)
+        ticket = Ticket(key, lane, self.tenant(tenant), priority, self._order, max(0, cost))
+        ticket.timeout, ticket.affinity = timeout, affinity
+        return ticket
 
     def start_now(self, ticket: Ticket, now: float) -> bool:
         """Grant a NEW ticket if it may start now (and True); else leave it NEW (and the
@@ -425,11 +454,25 @@ class Scheduler:
                     "for fewer output tokens (max_tokens) or send a shorter prompt",
                     None,
                 )
-        return None
+        replicas = self.replica_sets.get(ticket.lane.adapter_name)
+        return None if replicas is None else replicas.too_large(cost)
 
     def _fits_now(self, ticket: Ticket, now: float) -> bool:
         lane = ticket.lane
-        return ticket.tenant.ready(ticket.cost, now) and lane.has_room and self._fits(ticket)
+        return (
+            ticket.tenant.ready(ticket.cost, now)
+            and lane.has_room
+            and self._fits(ticket)
+            and self._replica_for(ticket) is not False
+        )
+
+    def _replica_for(self, ticket: Ticket) -> Replica | bool:
+        """The replica ``ticket`` would be granted now; True where its adapter has no
+        replicas, False where none fits it."""
+        replicas = self.replica_sets.get(ticket.lane.adapter_name)
+        if replicas is None:
+            return True
+        return replicas.choose(ticket.cost, ticket.affinity) or False
 
     def _fits(self, ticket: Ticket) -> bool:
         """Whether ``ticket``'s cost fits its target's, adapter's and node's budgets, in
@@ -445,7 +488,7 @@ class Scheduler:
 
     def _refusal(self, ticket: Ticket, now: float) -> Refusal | None:
         """Why a run that cannot start now is refused at once, or None: it may wait."""
-        full = self._full(ticket)
+        full = queue_full(ticket, self.queued, self.max_queued, self.rate)
         if full is not None:
             return full
         lane, timeout = ticket.lane, ticket.timeout
@@ -477,33 +520,13 @@ class Scheduler:
                 )
         return None
 
-    def _full(self, ticket: Ticket) -> Refusal | None:
-        """The queue bound a new waiter would break, or None."""
-        lane, tenant = ticket.lane, ticket.tenant
-        if self.queued >= self.max_queued:
-            message = (
-                f"the node's queue is full (max_queued {self.max_queued}, {self.queued} waiting)"
-            )
-            hint = self.rate.wait_for(self.queued - self.max_queued, 1.0)
-        elif lane.max_queued is not None and lane.waiting >= lane.max_queued:
-            message = (
-                f"the queue of {lane.name} is full "
-                f"(its max_queued {lane.max_queued}, {lane.waiting} waiting)"
-            )
-            hint = lane.rate.wait_for(lane.waiting - lane.max_queued, 1.0)
-        elif tenant.max_queued is not None and tenant.queued >= tenant.max_queued:
-            message = (
-                f"the queue of tenant {tenant.name!r} is full "
-                f"(its max_queued {tenant.max_queued}, {tenant.queued} waiting)"
-            )
-            hint = self.rate.wait_for(tenant.queued - tenant.max_queued, 1.0)
-        else:
-            return None
-        return Refusal(RejectReason.QUEUE_FULL, message, hint)
-
     # --- granting and ending -------------------------------------------------------------
 
     def _grant(self, ticket: Ticket, now: float, *, queued: bool) -> None:
+        replica = self._replica_for(ticket)
+        if isinstance(replica, Replica):
+            ticket.replica = replica.pool
+            self.replica_sets[ticket.lane.adapter_name].took(replica)
         ticket.move(TicketState.GRANTED)
         for pool in ticket.pools:
             pool.running += 1
@@ -524,6 +547,34 @@ class Scheduler:
         else:
             lane.rate.last = now
         self.rate.tick(now)
+
+    # --- replicas ------------------------------------------------------------------------
+
+    def _replica_room(self, lane: Lane) -> bool:
+        replicas = self.replica_sets.get(lane.adapter_name)
+        return replicas is None or replicas.has_room
+
+    def mark_replica(self, adapter: str, name: str, down: bool, now: float) -> list[Ticket]:
+        """Mark a replica down (no run is granted it; those it holds keep their place) or
+        clear it; returns the runs that lets start (a replica cleared, or the last one
+        marked: then runs go as if none were). KeyError for an unknown one."""
+        if self.replica_sets[adapter].mark(name, down):
+            return self.dispatch(now)
+        return []
+
+    def reroute(self, ticket: Ticket, now: float) -> Replica | None:
+        """Move a granted ``ticket`` whose replica failed it (before its first token) to
+        another that fits it now, its place and tokens moved with it; None if none does
+        (it stays where it was, to end as any failed run does)."""
+        return self.replica_sets[ticket.lane.adapter_name].reroute(ticket)
+
+    def full_level(self, ticket: Ticket, now: float) -> str:
+        """:meth:`~.tickets.Ticket.full_level`, or ``replica`` where its other levels
+        have room but no replica of its adapter fits it."""
+        level = ticket.full_level(now)
+        if level == "queue" and self._replica_for(ticket) is False:
+            return "replica"
+        return level
 
     def release(self, ticket: Ticket, now: float, used: int | None = None) -> list[Ticket]:
         """A granted run ended: give back its place and its reserved tokens, and settle
@@ -579,21 +630,7 @@ class Scheduler:
 
     def expiry(self, ticket: Ticket, now: float) -> Refusal:
         """The Refusal of a run whose queue deadline passed at ``now``."""
-        lane, tenant = ticket.lane, ticket.tenant
-        if not tenant.rate_ready(ticket.cost, now) or not tenant.pool.fits_tokens(ticket.cost):
-            bucket = tenant.bucket
-            wait = 1.0 if bucket is None else bucket.wait_for(ticket.cost, now)
-            return Refusal(
-                RejectReason.RATE_LIMITED,
-                f"tenant {tenant.name!r} was over its token rate or tokens in flight for "
-                f"the {ticket.timeout:g}s this run could wait on {lane.name}",
-                clamp_retry_after(wait),
-            )
-        return Refusal(
-            RejectReason.QUEUE_TIMEOUT,
-            f"no capacity on {lane.name} within {ticket.timeout:g}s",
-            lane.rate.wait_for(lane.waiting, ticket.timeout),
-        )
+        return expired(ticket, now)
 
     def wakeup(self, now: float) -> float:
         """When :meth:`advance` next has something to do: the earliest queue deadline, or
@@ -627,7 +664,7 @@ class Scheduler:
         past ``hold_after`` become holders first."""
         granted: list[Ticket] = []
         while self._busy and self.node.has_room:
-            lanes = [lane for lane in self._busy if lane.has_room]
+            lanes = [lane for lane in self._busy if lane.has_room and self._replica_room(lane)]
             if self.tokens_in_use:  # holds first, so nothing below is granted past one
                 self._place_holds(now, lanes)
             best: Ticket | None = None
@@ -646,7 +683,7 @@ class Scheduler:
         """``lane``'s first candidate that fits its pools, in what holders leave."""
         with closing(lane.candidates(now)) as candidates:
             for ticket in candidates:
-                if self._fits(ticket):
+                if self._fits(ticket) and self._replica_for(ticket) is not False:
                     return ticket
         return None
 

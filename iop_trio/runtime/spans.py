@@ -75,8 +75,11 @@ class RunSpans:
             self.gate.end()
             self.gate = None
 
-    def engine_began(self, request: AdapterRequest) -> AdapterRequest:
-        """The engine span starts; ``request`` with its context as headers."""
+    def engine_began(
+        self, request: AdapterRequest, server: tuple[str, int] | None = None
+    ) -> AdapterRequest:
+        """The engine span starts (``server``: the engine's host and port, the replica's
+        where the adapter has several); ``request`` with its context as headers."""
         self.engine = span = self._child(t.SPAN_ENGINE, SpanKind.CLIENT)
         if span.is_recording():
             span.set_attributes(
@@ -86,6 +89,8 @@ class RunSpans:
                     t.IOP_RUN_ID: request.run_id,
                 }
             )
+            if server is not None:
+                span.set_attributes({t.SERVER_ADDRESS: server[0], t.SERVER_PORT: server[1]})
         headers = t.headers_of(span)
         return attrs.evolve(request, headers={**request.headers, **headers}) if headers else request
 

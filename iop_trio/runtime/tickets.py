@@ -185,6 +185,10 @@ class Ticket:
     #: each pool's (runs, reserved tokens) once it was granted, itself included, and when
     at_grant: tuple[tuple[int, int], ...] = ()
     granted_at: float | None = None
+    #: the hash of its prompt's leading characters (prefix routing), if any
+    affinity: int | None = None
+    #: the pool of the replica it was granted, where its adapter has replicas
+    replica: Pool | None = None
 
     def __repr__(self) -> str:
         return (
@@ -208,18 +212,21 @@ class Ticket:
         self.state = to
 
     @property
-    def pools(self) -> tuple[Pool, Pool, Pool, Pool]:
-        """Its four pools, most specific first."""
+    def pools(self) -> tuple[Pool, ...]:
+        """Its four pools, most specific first, and once granted its replica's pool, if
+        its adapter has replicas (which one is decided at the grant)."""
         lane = self.lane
-        return (self.tenant.pool, lane.target, lane.adapter, lane.node)
+        pools = (self.tenant.pool, lane.target, lane.adapter, lane.node)
+        return pools if self.replica is None else (*pools, self.replica)
 
     def full_level(self, now: float) -> str:
         """Which level keeps it from starting now: the first of its pools, most specific
         first (``tenant``, ``target``, ``adapter``, ``global``), with no room for one
         more run or for its tokens; ``tenant`` too for a tenant over its token rate;
         ``queue`` when every level has room (runs ranked before it go first, or holders
-        keep the tokens it would take). Looks at four pools: cheap."""
-        for level, pool in zip(LEVELS, self.pools, strict=True):
+        keep the tokens it would take). Looks at four pools: cheap. (A replica with no
+        room is the scheduler's to say: :meth:`~.scheduler.Scheduler.full_level`.)"""
+        for level, pool in zip(LEVELS, self.pools[:4], strict=True):
             if not pool.has_room or not pool.fits_tokens(self.cost):
                 return level
         return "queue" if self.tenant.rate_ready(self.cost, now) else "tenant"
