@@ -53,7 +53,7 @@ import os
 import secrets
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -144,20 +144,28 @@ def messages(mode: str, client: int, run: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": " ".join(["inference node gate"] * 13) + " " + tail}]
 
 
-@attrs.frozen
+@attrs.define
 class Stack:
-    engines: tuple[Proc, ...]
+    engines: list[Proc]
     engine_urls: tuple[str, ...]
     door_url: str
     token: str
+    config: Path  # the node's
+    relaunch: Callable[..., Proc]  # start engine i again, on its port (``wait``: for it)
+    node: Proc | None = None
 
 
-def node_config(folder: Path, routing: str, urls: Sequence[str], edge_port: int) -> Path:
+def node_config(
+    folder: Path, routing: str, urls: Sequence[str], edge_port: int, probe: float | None
+) -> Path:
+    runtime: dict[str, Any] = {"concurrency": 1024, "max_queued": 1000, "queue_timeout": 600}
+    if probe is not None:
+        runtime["probe_interval"] = probe
     document = {
         "node_id": "replicas-bench",
         "edge": {"url": f"ws://127.0.0.1:{edge_port}/node", "backoff_initial": 0.05},
         "store": {"kind": "sqlite", "path": str(folder / "node.db")},
-        "runtime": {"concurrency": 1024, "max_queued": 1000, "queue_timeout": 600},
+        "runtime": runtime,
         "adapters": {
             ADAPTER: {
                 "kind": "openai",
@@ -176,7 +184,9 @@ def node_config(folder: Path, routing: str, urls: Sequence[str], edge_port: int)
 
 
 @contextmanager
-def stack(mode: Mode, routing: str, keep: str | None) -> Iterator[Stack]:
+def stack(
+    mode: Mode, routing: str, keep: str | None, probe: float | None = None
+) -> Iterator[Stack]:
     token = secrets.token_urlsafe(24)
     with tempfile.TemporaryDirectory(prefix="iop-replicas-") as tmp, processes() as start:
         folder = Path(tmp)
@@ -185,16 +195,21 @@ def stack(mode: Mode, routing: str, keep: str | None) -> Iterator[Stack]:
             folder.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("IOP_")}
         ports = [free_port() for _ in mode.engine_args]
-        engines = []
-        for i, (port, args) in enumerate(zip(ports, mode.engine_args, strict=True)):
-            argv = [sys.executable, str(Path(sim_engine.__file__).resolve()), "--port", str(port)]
-            argv += ["--model", MODEL, "--exit-with-parent", *args]
-            engines.append(start(f"engine{i}", argv, env, folder / f"engine{i}.log"))
+
+        def launch(i: int, *, wait: bool = True) -> Proc:
+            argv = [sys.executable, str(Path(sim_engine.__file__).resolve())]
+            argv += ["--port", str(ports[i]), "--model", MODEL, "--exit-with-parent"]
+            engine = start(f"engine{i}", [*argv, *mode.engine_args[i]], env, folder / f"e{i}.log")
+            if wait:
+                engine.wait_for(r"sim engine listening on")
+            return engine
+
+        engines = [launch(i, wait=False) for i in range(len(ports))]
         for engine in engines:
             engine.wait_for(r"sim engine listening on")
         urls = tuple(f"http://127.0.0.1:{p}" for p in ports)
         edge_port, door_port = free_port(), free_port()
-        path = node_config(folder, routing, urls, edge_port)
+        path = node_config(folder, routing, urls, edge_port, probe)
         check(path, {**env, "IOP_EDGE__TOKEN": token})
         edge = start(
             "edge",
@@ -217,7 +232,8 @@ def stack(mode: Mode, routing: str, keep: str | None) -> Iterator[Stack]:
             folder / "node.log",
         )
         node.wait_for(r"node replicas-bench serving")
-        yield Stack(tuple(engines), urls, f"http://127.0.0.1:{door_port}/v1", token)
+        door = f"http://127.0.0.1:{door_port}/v1"
+        yield Stack(engines, urls, door, token, path, launch, node)
 
 
 @attrs.frozen
