@@ -299,7 +299,41 @@ def verdicts(results: dict[str, list[Figures]]) -> list[str]:
     return lines
 
 
+def drawn(count: int, seed: int = 30) -> None:
+    """How many of ``count`` engines drawn from the zoo's ranges (``random.Random(seed)``,
+    one load each) meet every target for both learners; a line for each."""
+    import random
+
+    from .test_learning_zoo import judged, misses
+
+    rng = random.Random(seed)
+    ranges, met = zoo.RANGES, 0
+    for i in range(count):
+        shape = zoo.Shape(
+            "drawn",
+            base_ms=rng.uniform(*ranges["base_ms"]),
+            per_seq_ms=rng.uniform(*ranges["per_seq_ms"]),
+            prefill_us=rng.choice([10.0, 20.0, 50.0, 100.0]),
+            kv_tokens=rng.randint(*ranges["kv_tokens"]),
+            max_batch=rng.choice([None, rng.randint(*ranges["max_batch"])]),
+            metrics=rng.choice(["vllm", "llamacpp", "none"]),
+            scrape_ms=rng.uniform(*ranges["scrape_ms"]),
+            admit=rng.choice(["arrival", "step"]),
+            kv_mode=rng.choice(["reserve", "paged"]),
+        )
+        load = rng.choice(sorted(LOADS))
+        missed = misses(judged(shape, load), LOADS[load])
+        met += not missed
+        print(i, load, "ok" if not missed else f"MISS {sorted(missed)}", shape, flush=True)
+    print(f"{met}/{count} drawn engines meet every target")
+
+
 def main(names: Sequence[str]) -> None:
+    """``python -m tests.zoo [SHAPE...]``: the sample's figures (or the shapes named);
+    ``python -m tests.zoo --drawn N``: :func:`drawn`."""
+    if names[:1] == ["--drawn"]:
+        drawn(int(names[1]) if len(names) > 1 else 30)
+        return
     shapes = [zoo.BY_NAME[n] for n in names] if names else list(zoo.SAMPLE)
     for shape in shapes:
         print(shape)
