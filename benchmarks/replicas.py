@@ -42,6 +42,8 @@ spared; ``shares``, each engine's part of the tokens (the slow one first). Figur
 printed, never asserted; machine facts and the load average are printed. Every process
 started here is ended by its pid.
 
+``--auto`` gives the adapter ``concurrency: auto`` (``concurrency_max`` 64): each replica
+learns its own limit from its engine's metrics, and its scrapes steer ``least_loaded``.
 ``--rev REV`` measures a committed revision's ``iop_trio`` as ``relay.py --rev`` does.
 """
 
@@ -155,6 +157,10 @@ class Stack:
     node: Proc | None = None
 
 
+#: --auto: each replica's concurrency learned (``concurrency: auto`` on the adapter)
+AUTO = False
+
+
 def node_config(
     folder: Path, routing: str, urls: Sequence[str], edge_port: int, probe: float | None
 ) -> Path:
@@ -172,6 +178,7 @@ def node_config(
                 "read_timeout": 600,
                 "routing": routing,
                 "replicas": list(urls),
+                **({"concurrency": "auto", "concurrency_max": 64} if AUTO else {}),
             }
         },
         "targets": [{"adapter": ADAPTER, "model": MODEL, "concurrency": 64}],
@@ -382,6 +389,8 @@ def verdicts(figures: Sequence[Figures]) -> list[str]:
 
 
 def main(ns: argparse.Namespace) -> int:
+    global AUTO
+    AUTO = ns.auto
     machine_facts(sys.stdout)
     print(
         f"{ns.clients} clients; warm-up {ns.warmup:g}s, window {ns.seconds:g}s; prefix mode: "
@@ -420,6 +429,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=5.0)
     p.add_argument("--clients", type=int, default=48)
     p.add_argument("--keep", default=None, help="a folder the logs and stores stay in")
+    p.add_argument("--auto", action="store_true", help="each replica's concurrency learned (auto)")
     p.add_argument("--rev", default=None, help="measure this revision's iop_trio")
     ns = p.parse_args(argv)
     unknown = [m for m in ns.modes if m not in MODES]
