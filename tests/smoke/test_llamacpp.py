@@ -27,6 +27,7 @@ import trio
 
 from iop_trio.adapters import AdapterRequest
 from iop_trio.adapters.openai import OpenAIAdapter, OpenAISettings
+from iop_trio.config import load_config
 from iop_trio.metrics import NodeMetrics
 from iop_trio.model import AutoConcurrency
 from iop_trio.runtime import (
@@ -443,3 +444,47 @@ async def test_each_engine_request_goes_in_one_send_and_the_real_engine_answers_
             assert text_of(events).strip()
     assert len(sends.writes) == 2, sends.writes  # one a request
     assert sends.connections == 1  # the second run on the kept-alive connection
+
+
+async def test_replicas_over_the_real_engine_with_one_dead(llama_server, tmp_path):
+    """issue 32: one target over three replicas: the real server under two names and a
+    port that refuses. check-config --probe says each (the dead one DOWN, exit 1); the
+    node's runs all succeed, the ones the dead replica gets going on to a live one, and
+    it is marked down."""
+    port = free_port()  # nothing listens there
+    other = llama_server.replace("127.0.0.1", "localhost")
+    dead = f"http://127.0.0.1:{port}"
+    config = tmp_path / "node.yaml"
+    config.write_text(
+        "node_id: smoke\n"
+        "adapters: {llama: {kind: openai, routing: round_robin, "
+        f"replicas: ['{llama_server}', '{other}', '{dead}']}}}}\n"
+        "targets: [{adapter: llama, model: gemma, concurrency: 3}]\n"
+        f"store: {{path: {tmp_path / 'node.db'}}}\n"
+        "metrics: {listen: ''}\n"
+    )
+    probed = await trio.run_process(
+        [sys.executable, "-m", "iop_trio.cli", "check-config", "--config", str(config), "--probe"],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    out = probed.stdout.decode()
+    assert probed.returncode == 1, (out, probed.stderr)
+    assert f"replica {llama_server}: reachable" in out, out
+    assert f"replica {other}: reachable" in out, out
+    assert f"replica {dead}: DOWN" in out, out
+    assert "probe target llama/gemma: serves 'gemma'" in out, out
+    slot = load_config(config, environ={}).build_adapters()[0]
+    target = TargetSpec(
+        "llama", "gemma", concurrency=3, params={"temperature": 0.0, "max_tokens": 8}
+    )
+    node = Node(node_id="smoke", adapters=[slot], targets=[target], store=MemoryStore())
+    async with node.running():
+        for n in range(4):
+            spec = RunSpec(TARGET, prompt=f"Count to {n + 1}.")
+            record, events = await finish(node, (await node.manager.submit(spec)).record.run_id)
+            assert record.status is RunStatus.SUCCEEDED, record.message
+            assert text_of(events).strip()
+        assert ("llama", dead) in node.replica_health.down
+        assert "llama/gemma" not in node.unavailable
