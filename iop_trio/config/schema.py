@@ -532,9 +532,8 @@ def adapter_settings(
             f"{where}.replicas: kind {cfg.kind!r} has no base_url: it takes no replicas"
         )
     found = []
-    for i, one in enumerate(cfg.replicas):
-        if replica is not None and i != replica:
-            continue
+    for i in range(len(cfg.replicas)) if replica is None else [replica]:
+        one = cfg.replicas[i]
         own = {**cfg.settings, "base_url": one.url}
         if one.api_key is not None:
             own["api_key"] = one.api_key

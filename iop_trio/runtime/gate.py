@@ -345,7 +345,7 @@ class Gate:
 
     def reroute(self, ticket: Ticket) -> str | None:
         """See :meth:`Permit.reroute`."""
-        was = ticket.replica
+        was = ticket.replica  # the scheduler's reroute raises if it holds none
         other = self.scheduler.reroute(ticket, _now())
         if other is None or was is None:
             return None

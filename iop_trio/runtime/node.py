@@ -52,7 +52,7 @@ from .gate import Gate, Permit
 from .learning import CapacityLearner
 from .manager import RunManager, notify
 from .pipeline import ReplicaEngines
-from .replica_health import ReplicaHealth
+from .replica_health import ReplicaHealth, ask_models
 from .replicas import ReplicaSpec
 from .spans import RunTracer
 from .tickets import HOLD_AFTER, Pool
@@ -178,6 +178,7 @@ class Node:
         self._adapters: dict[str, Adapter] = {}
         #: each adapter with replicas: its replicas' adapters, by replica name
         self.replicas: dict[str, dict[str, Adapter]] = {}
+        self._replica_pools: dict[str, tuple[str, str]] = {}  # pool name: adapter, replica
         for slot in adapters:
             self._add_adapter(slot if isinstance(slot, AdapterSlot) else AdapterSlot(slot))
         self.replica_health = ReplicaHealth(self.gate, self.replicas)
@@ -235,6 +236,7 @@ class Node:
         replicas = self.gate.add_replicas(name, specs, slot.routing)
         self.replicas[name] = {r.name: r.adapter for r in slot.replicas}
         for config, replica in zip(slot.replicas, replicas.replicas, strict=True):
+            self._replica_pools[replica.pool.name] = (name, replica.name)
             if config.auto is not None:
                 replica.pool.counts_tokens = True
                 self.auto[replica.pool.name] = (config.auto, replica.pool)
@@ -266,10 +268,10 @@ class Node:
     def adapter_of_pool(self, name: str) -> Adapter:
         """The adapter of a pool named ``adapter:NAME``, ``target:NAME`` or (a replica's)
         ``replica:ADAPTER@URL``."""
-        kind, _, which = name.partition(":")
-        if kind == "replica":
-            adapter, _, replica = which.partition("@")
+        if name in self._replica_pools:
+            adapter, replica = self._replica_pools[name]
             return self.replicas[adapter][replica]
+        kind, _, which = name.partition(":")
         return self._adapters[which if kind == "adapter" else self.targets[which].adapter]
 
     def run_ended(self, permit: Permit, ttft: float, tpot: float | None) -> None:
@@ -402,9 +404,8 @@ class Node:
         for name, (auto, pool) in self.auto.items():
             learner = CapacityLearner(name, auto, pool, self.adapter_of_pool(name), self.gate)
             learner.in_engine = manager.in_engine
-            if name.startswith("replica:"):  # its scrapes steer least_loaded routing too
-                adapter, _, replica = name.removeprefix("replica:").partition("@")
-                learner.scraped = partial(self.gate.set_replica_signals, adapter, replica)
+            if name in self._replica_pools:  # its scrapes steer least_loaded routing too
+                learner.scraped = partial(self.gate.set_replica_signals, *self._replica_pools[name])
             self.learners[name] = learner
             nursery.start_soon(learner.run)
         return manager
@@ -504,7 +505,7 @@ class Node:
         async with trio.open_nursery() as nursery:
             for name, adapter in self._adapters.items():
                 if name in used and name not in self.replicas:
-                    nursery.start_soon(self._ask_models, name, adapter, answers)
+                    nursery.start_soon(ask_models, name, adapter, answers)
             for name in self._hung:
                 nursery.start_soon(self._try_probe_run, self.targets[name], answered)
             if self.replicas:  # each replica: its list, and its down mark
@@ -518,16 +519,6 @@ class Node:
             self._mark_hung(name, sent, None)
         self._note_unavailable()
         return dict(self.unavailable)
-
-    @staticmethod
-    async def _ask_models(
-        name: str, adapter: Adapter, answers: dict[str, frozenset[str] | AdapterError | None]
-    ) -> None:
-        """Put what ``adapter``'s engine serves (or why it did not say) in ``answers``."""
-        try:
-            answers[name] = await adapter.served_models()
-        except AdapterError as exc:
-            answers[name] = exc
 
     async def _try_probe_run(self, target: TargetSpec, answered: list[tuple[str, float]]) -> None:
         """Ask ``target``'s engine for its smallest generation; note when it was sent in

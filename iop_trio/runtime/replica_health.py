@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import TypeVar
 
 import trio
 
@@ -23,6 +24,18 @@ from ..adapters.base import Adapter, AdapterError
 from .gate import Gate
 
 log = logging.getLogger(__name__)
+
+K = TypeVar("K")
+#: What an engine said it serves (None: it does not say), or why it could not say.
+Models = frozenset[str] | AdapterError | None
+
+
+async def ask_models(key: K, adapter: Adapter, answers: dict[K, Models]) -> None:
+    """Put what ``adapter``'s engine serves (or why it did not say) in ``answers[key]``."""
+    try:
+        answers[key] = await adapter.served_models()
+    except AdapterError as exc:
+        answers[key] = exc
 
 
 class ReplicaHealth:
@@ -67,24 +80,17 @@ class ReplicaHealth:
             f"{r}: {self.down[(adapter, r)]}" for r in replicas
         )
 
-    async def probe(self) -> dict[str, frozenset[str] | AdapterError | None]:
+    async def probe(self) -> dict[str, Models]:
         """Ask every replica for its list of models, all at once (each bounded by its
         adapter): one that answers is cleared, one that cannot be reached is marked
         down. Returns each adapter's answer: the first replica's list that came, else
         the last error (what a lone engine's probe would say)."""
-        answers: dict[tuple[str, str], frozenset[str] | AdapterError | None] = {}
-
-        async def ask(key: tuple[str, str]) -> None:
-            try:
-                answers[key] = await self.engines[key[0]][key[1]].served_models()
-            except AdapterError as exc:
-                answers[key] = exc
-
+        answers: dict[tuple[str, str], Models] = {}
         async with trio.open_nursery() as nursery:
             for adapter, replicas in self.engines.items():
-                for replica in replicas:
-                    nursery.start_soon(ask, (adapter, replica))
-        combined: dict[str, frozenset[str] | AdapterError | None] = {}
+                for replica, engine in replicas.items():
+                    nursery.start_soon(ask_models, (adapter, replica), engine, answers)
+        combined: dict[str, Models] = {}
         for (adapter, replica), answer in answers.items():
             if isinstance(answer, AdapterError):
                 self.answered(adapter, replica, f"its probe failed: {answer.message}")

@@ -287,10 +287,8 @@ class ReplicaSet:
             raise RuntimeError(f"{ticket!r} holds no replica to move from")
         other = self.choose(ticket.cost, ticket.affinity, besides=self.of_pool(ticket.replica))
         if other is not None:
-            ticket.replica.running -= 1
-            ticket.replica.reserved -= ticket.cost
-            other.pool.running += 1
-            other.pool.reserved += ticket.cost
+            ticket.replica.give_back(ticket.cost)
+            other.pool.take(ticket.cost)
             ticket.replica = other.pool
             ticket.at_grant = (*ticket.at_grant[:4], (other.pool.running, other.pool.reserved))
             self.took(other)

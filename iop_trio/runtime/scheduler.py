@@ -397,9 +397,10 @@ class Scheduler:
         if queue_timeout is not None:
             timeout = min(timeout, check_seconds("queue_timeout", queue_timeout))
         self._order += 1
-        ticket = Ticket(key, lane, self.tenant(tenant), priority, self._order, max(0, cost))
-        ticket.timeout, ticket.affinity = timeout, affinity
-        return ticket
+        who = self.tenant(tenant)
+        return Ticket(
+            key, lane, who, priority, self._order, max(0, cost), timeout, affinity=affinity
+        )
 
     def start_now(self, ticket: Ticket, now: float) -> bool:
         """Grant a NEW ticket if it may start now (and True); else leave it NEW (and the
@@ -463,16 +464,19 @@ class Scheduler:
             ticket.tenant.ready(ticket.cost, now)
             and lane.has_room
             and self._fits(ticket)
-            and self._replica_for(ticket) is not False
+            and self._replica_fits(ticket)
         )
 
-    def _replica_for(self, ticket: Ticket) -> Replica | bool:
-        """The replica ``ticket`` would be granted now; True where its adapter has no
-        replicas, False where none fits it."""
+    def _replica_for(self, ticket: Ticket) -> Replica | None:
+        """The replica ``ticket`` would be granted now; None where its adapter has no
+        replicas or none fits it."""
         replicas = self.replica_sets.get(ticket.lane.adapter_name)
-        if replicas is None:
-            return True
-        return replicas.choose(ticket.cost, ticket.affinity) or False
+        return None if replicas is None else replicas.choose(ticket.cost, ticket.affinity)
+
+    def _replica_fits(self, ticket: Ticket) -> bool:
+        """Whether ``ticket``'s adapter has no replicas, or one fits it now."""
+        replicas = self.replica_sets.get(ticket.lane.adapter_name)
+        return replicas is None or replicas.choose(ticket.cost, ticket.affinity) is not None
 
     def _fits(self, ticket: Ticket) -> bool:
         """Whether ``ticket``'s cost fits its target's, adapter's and node's budgets, in
@@ -524,13 +528,12 @@ class Scheduler:
 
     def _grant(self, ticket: Ticket, now: float, *, queued: bool) -> None:
         replica = self._replica_for(ticket)
-        if isinstance(replica, Replica):
+        if replica is not None:
             ticket.replica = replica.pool
             self.replica_sets[ticket.lane.adapter_name].took(replica)
         ticket.move(TicketState.GRANTED)
         for pool in ticket.pools:
-            pool.running += 1
-            pool.reserved += ticket.cost
+            pool.take(ticket.cost)
         ticket.at_grant = tuple((p.running, p.reserved) for p in ticket.pools)
         ticket.granted_at = now
         bucket = ticket.tenant.bucket
@@ -572,7 +575,7 @@ class Scheduler:
         """:meth:`~.tickets.Ticket.full_level`, or ``replica`` where its other levels
         have room but no replica of its adapter fits it."""
         level = ticket.full_level(now)
-        if level == "queue" and self._replica_for(ticket) is False:
+        if level == "queue" and not self._replica_fits(ticket):
             return "replica"
         return level
 
@@ -582,8 +585,7 @@ class Scheduler:
         reserved). Returns the runs this let start."""
         ticket.move(TicketState.RELEASED)
         for pool in ticket.pools:
-            pool.running -= 1
-            pool.reserved -= ticket.cost
+            pool.give_back(ticket.cost)
         bucket = ticket.tenant.bucket
         if used is not None:
             ticket.tenant.charged += used - ticket.cost
@@ -683,7 +685,7 @@ class Scheduler:
         """``lane``'s first candidate that fits its pools, in what holders leave."""
         with closing(lane.candidates(now)) as candidates:
             for ticket in candidates:
-                if self._fits(ticket) and self._replica_for(ticket) is not False:
+                if self._fits(ticket) and self._replica_fits(ticket):
                     return ticket
         return None
 

@@ -103,6 +103,16 @@ class Pool:
         taken = self.reserved + kept
         return taken + cost <= self.budget or (taken == 0 and cost <= self.static_budget)
 
+    def take(self, cost: int) -> None:
+        """A run reserving ``cost`` tokens holds a place here now."""
+        self.running += 1
+        self.reserved += cost
+
+    def give_back(self, cost: int) -> None:
+        """A run reserving ``cost`` tokens holds its place here no more."""
+        self.running -= 1
+        self.reserved -= cost
+
     def kept_from(self, ticket: Ticket) -> int:
         """The tokens the holders ranked before ``ticket`` keep free for themselves."""
         return sum(h.cost for h in self.holders if h is not ticket and h.rank < ticket.rank)
