@@ -104,6 +104,7 @@ from relay import (
 )
 
 ADAPTER, MODEL = "engine", "bench"
+NODE_ID = "capacity-bench"
 TARGET = f"{ADAPTER}/{MODEL}"
 KV_TOKENS = 4096
 START_TIMEOUT = 30.0  # seconds until a first run goes through the door
@@ -200,7 +201,7 @@ def node_config(
             raise ValueError(f"{config.name}: a fragment must be a mapping, not {fragment!r}")
         into.update(extra)
     document = {
-        "node_id": "capacity-bench",
+        "node_id": NODE_ID,
         "edge": {
             "url": f"ws://127.0.0.1:{edge_port}/node",
             "backoff_initial": 0.05,
@@ -268,7 +269,7 @@ def stack(config: Config, engine_args: Sequence[str]) -> Iterator[Stack]:
             folder = Path(KEEP) / config.name
             folder.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("IOP_")}
-        edge_port, door_port, engine_port = free_port(), free_port(), free_port()
+        edge_port, engine_port = free_port(), free_port()
         path = node_config(
             folder, config, edge_port=edge_port, engine_port=engine_port, metrics_port=free_port()
         )
@@ -292,27 +293,7 @@ def stack(config: Config, engine_args: Sequence[str]) -> Iterator[Stack]:
             folder / "engine.log",
         )
         engine.wait_for(r"sim engine listening on")
-        edge = start(
-            "edge",
-            [
-                str(NODE_BIN),
-                "edge",
-                "--listen",
-                f"127.0.0.1:{edge_port}",
-                "--openai-listen",
-                f"127.0.0.1:{door_port}",
-            ],
-            {**env, "IOP_EDGE_TOKEN": token},
-            folder / "edge.log",
-        )
-        edge.wait_for(r"OpenAI-compatible API on")
-        node = start(
-            "node",
-            [str(NODE_BIN), "serve", "--config", str(path)],
-            {**env, "IOP_EDGE__TOKEN": token},
-            folder / "node.log",
-        )
-        node.wait_for(r"node capacity-bench serving")
+        edge, node, door_port = start_edge_and_node(start, env, folder, path, token, NODE_ID)
         metrics = re.search(r"listen: (127\.0\.0\.1:\d+)", path.read_text())
         assert metrics is not None
         try:
@@ -361,6 +342,55 @@ class Figures:
 
     def share(self, process: str) -> float:
         return self.cpu.get(process, math.nan) / self.window * 100
+
+
+async def door_stream(
+    http: httpx.AsyncClient, door_url: str, token: str, body: bytes, tally: Tally, began: float
+) -> tuple[str | None, int]:
+    """One streamed chat completion POSTed to the door at ``door_url`` (its text told to
+    ``tally`` as it comes): what was wrong (None) and the characters of text it got."""
+    headers = {"authorization": f"Bearer {token}", "content-type": "application/json"}
+    try:
+        url = door_url + "/chat/completions"
+        async with http.stream("POST", url, content=body, headers=headers) as response:
+            if response.status_code != 200:
+                text = (await response.aread())[:200].decode(errors="replace")
+                return f"HTTP {response.status_code}: {text}", 0
+            return await read_sse(response, tally, began, finish_reason="length")
+    except httpx.HTTPError as exc:
+        return f"{type(exc).__name__}: {exc}", 0
+
+
+def start_edge_and_node(
+    start: Any, env: dict[str, str], folder: Path, config: Path, token: str, node_id: str
+) -> tuple[Proc, Proc, int]:
+    """Start ``iop-node edge`` (with its OpenAI door) and ``iop-node serve --config
+    config`` (whose edge.url names the edge's port), each waited for; and the door's port."""
+    found = re.search(r"ws://127\.0\.0\.1:(\d+)/node", config.read_text())
+    assert found is not None, config
+    edge_port, door_port = int(found.group(1)), free_port()
+    edge = start(
+        "edge",
+        [
+            str(NODE_BIN),
+            "edge",
+            "--listen",
+            f"127.0.0.1:{edge_port}",
+            "--openai-listen",
+            f"127.0.0.1:{door_port}",
+        ],
+        {**env, "IOP_EDGE_TOKEN": token},
+        folder / "edge.log",
+    )
+    edge.wait_for(r"OpenAI-compatible API on")
+    node = start(
+        "node",
+        [str(NODE_BIN), "serve", "--config", str(config)],
+        {**env, "IOP_EDGE__TOKEN": token},
+        folder / "node.log",
+    )
+    node.wait_for(rf"node {node_id} serving")
+    return edge, node, door_port
 
 
 @attrs.define
@@ -441,24 +471,11 @@ class Bench:
         self, tally: Tally, body: bytes, http: httpx.AsyncClient | None = None
     ) -> str | None:
         """One streamed run through the door; what was wrong, or None."""
-        http = http or self.control
         began = tally.begin()
         failed = len(tally.failures)
-        chars, problem = 0, None
-        headers = {
-            "authorization": f"Bearer {self.stack.token}",
-            "content-type": "application/json",
-        }
-        try:
-            url = self.stack.door_url + "/chat/completions"
-            async with http.stream("POST", url, content=body, headers=headers) as response:
-                if response.status_code != 200:
-                    text = (await response.aread())[:200].decode(errors="replace")
-                    problem = f"HTTP {response.status_code}: {text}"
-                else:
-                    problem, chars = await read_sse(response, tally, began, finish_reason="length")
-        except httpx.HTTPError as exc:
-            problem = f"{type(exc).__name__}: {exc}"
+        problem, chars = await door_stream(
+            http or self.control, self.stack.door_url, self.stack.token, body, tally, began
+        )
         tally.ended(began, chars, problem)
         return tally.failures[-1] if len(tally.failures) > failed else None
 

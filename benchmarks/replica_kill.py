@@ -49,8 +49,8 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import sim_engine
-from capacity import load
-from relay import NODE_BIN, Tally, machine_facts, read_sse, run_at_rev
+from capacity import door_stream, load
+from relay import NODE_BIN, Tally, machine_facts, run_at_rev
 from replicas import MAX_TOKENS, TARGET, TIMEOUT, Mode, messages, stack
 
 ENGINES = (("--kv-tokens", "4096", "--max-batch", "16"),) * 4
@@ -68,7 +68,6 @@ class Request:
 async def load_and_kill(procs: Any, ns: argparse.Namespace) -> tuple[list[Request], float, int]:
     """The clients' requests, when engine 0 was killed (trio time), and the tokens it
     generated after it came back."""
-    headers = {"authorization": f"Bearer {procs.token}", "content-type": "application/json"}
     limits = httpx.Limits(max_connections=ns.clients + 8, max_keepalive_connections=ns.clients)
     requests: list[Request] = []
     killed_at = 0.0
@@ -85,19 +84,9 @@ async def load_and_kill(procs: Any, ns: argparse.Namespace) -> tuple[list[Reques
                 "max_tokens": MAX_TOKENS,
                 "stream": True,
             }
-            try:
-                url = procs.door_url + "/chat/completions"
-                async with http.stream("POST", url, json=body, headers=headers) as response:
-                    if response.status_code != 200:
-                        text = (await response.aread())[:160].decode(errors="replace")
-                        request.problem = f"HTTP {response.status_code}: {text}"
-                    else:
-                        problem, chars = await read_sse(
-                            response, tally, request.began, finish_reason="length"
-                        )
-                        request.problem, request.chars = problem, chars
-            except httpx.HTTPError as exc:
-                request.problem = f"{type(exc).__name__}"
+            request.problem, request.chars = await door_stream(
+                http, procs.door_url, procs.token, json.dumps(body).encode(), tally, request.began
+            )
             if request.problem is None and request.chars != tally.expected_chars:
                 request.problem = f"{request.chars // len(sim_engine.TOKEN_TEXT)} tokens"
             request.ended = trio.current_time()

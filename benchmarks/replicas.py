@@ -50,6 +50,7 @@ learns its own limit from its engine's metrics, and its scrapes steer ``least_lo
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import secrets
@@ -68,20 +69,19 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import sim_engine
-from capacity import check, load
+from capacity import check, door_stream, load, start_edge_and_node
 from relay import (
-    NODE_BIN,
     Proc,
     Tally,
     free_port,
     machine_facts,
     percentile,
     processes,
-    read_sse,
     run_at_rev,
 )
 
 ADAPTER, MODEL = "pool", "bench"
+NODE_ID = "replicas-bench"
 TARGET = f"{ADAPTER}/{MODEL}"
 REPLICAS = 4
 FAMILIES = 8
@@ -168,7 +168,7 @@ def node_config(
     if probe is not None:
         runtime["probe_interval"] = probe
     document = {
-        "node_id": "replicas-bench",
+        "node_id": NODE_ID,
         "edge": {"url": f"ws://127.0.0.1:{edge_port}/node", "backoff_initial": 0.05},
         "store": {"kind": "sqlite", "path": str(folder / "node.db")},
         "runtime": runtime,
@@ -215,30 +215,9 @@ def stack(
         for engine in engines:
             engine.wait_for(r"sim engine listening on")
         urls = tuple(f"http://127.0.0.1:{p}" for p in ports)
-        edge_port, door_port = free_port(), free_port()
-        path = node_config(folder, routing, urls, edge_port, probe)
+        path = node_config(folder, routing, urls, free_port(), probe)
         check(path, {**env, "IOP_EDGE__TOKEN": token})
-        edge = start(
-            "edge",
-            [
-                str(NODE_BIN),
-                "edge",
-                "--listen",
-                f"127.0.0.1:{edge_port}",
-                "--openai-listen",
-                f"127.0.0.1:{door_port}",
-            ],
-            {**env, "IOP_EDGE_TOKEN": token},
-            folder / "edge.log",
-        )
-        edge.wait_for(r"OpenAI-compatible API on")
-        node = start(
-            "node",
-            [str(NODE_BIN), "serve", "--config", str(path)],
-            {**env, "IOP_EDGE__TOKEN": token},
-            folder / "node.log",
-        )
-        node.wait_for(r"node replicas-bench serving")
+        _edge, node, door_port = start_edge_and_node(start, env, folder, path, token, NODE_ID)
         door = f"http://127.0.0.1:{door_port}/v1"
         yield Stack(engines, urls, door, token, path, launch, node)
 
@@ -274,7 +253,6 @@ class Figures:
 
 
 async def measure(mode: Mode, routing: str, procs: Stack, ns: argparse.Namespace) -> Figures:
-    headers = {"authorization": f"Bearer {procs.token}", "content-type": "application/json"}
     limits = httpx.Limits(max_connections=ns.clients + 8, max_keepalive_connections=ns.clients)
     expected = MAX_TOKENS * len(sim_engine.TOKEN_TEXT)
     async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits) as http:
@@ -287,19 +265,9 @@ async def measure(mode: Mode, routing: str, procs: Stack, ns: argparse.Namespace
                 "max_tokens": MAX_TOKENS,
                 "stream": True,
             }
-            chars, problem = 0, None
-            try:
-                url = procs.door_url + "/chat/completions"
-                async with http.stream("POST", url, json=body, headers=headers) as response:
-                    if response.status_code != 200:
-                        text = (await response.aread())[:200].decode(errors="replace")
-                        problem = f"HTTP {response.status_code}: {text}"
-                    else:
-                        problem, chars = await read_sse(
-                            response, tally, began, finish_reason="length"
-                        )
-            except httpx.HTTPError as exc:
-                problem = f"{type(exc).__name__}: {exc}"
+            problem, chars = await door_stream(
+                http, procs.door_url, procs.token, json.dumps(body).encode(), tally, began
+            )
             tally.ended(began, chars, problem)
             return problem
 

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -159,6 +160,24 @@ async def finish(node: Node, run_id: str) -> tuple[RunRecord, list[RunEvent]]:
     record = await node.store.get(run_id)
     assert record is not None
     return record, await node.store.events(run_id)
+
+
+async def probe_config(config: Path, adapters_and_targets: str) -> tuple[Any, str]:
+    """Write a node.yaml of ``adapters_and_targets`` (a store beside it) to ``config`` and
+    run ``iop-node check-config --probe`` on it: the finished process and its output."""
+    await trio.Path(config).write_text(
+        "node_id: smoke\n"
+        + adapters_and_targets
+        + f"store: {{path: {config.parent / 'node.db'}}}\n"
+        + "metrics: {listen: ''}\n"
+    )
+    probed = await trio.run_process(
+        [sys.executable, "-m", "iop_trio.cli", "check-config", "--config", str(config), "--probe"],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    return probed, probed.stdout.decode()
 
 
 def text_of(events: list[RunEvent]) -> str:
@@ -374,20 +393,11 @@ async def test_concurrency_auto_learns_from_the_real_engine(llama_server, tmp_pa
     server, which has no ``/metrics``); a node learns from that signal, keeps the limit in
     its bounds and lets six runs through a limit of at most 3, all to success."""
     config = tmp_path / "node.yaml"
-    config.write_text(
-        "node_id: smoke\n"
+    probed, out = await probe_config(
+        config,
         f"adapters: {{llama: {{kind: openai, base_url: '{llama_server}'}}}}\n"
-        "targets: [{adapter: llama, model: gemma, concurrency: auto, concurrency_max: 3}]\n"
-        f"store: {{path: {tmp_path / 'node.db'}}}\n"
-        "metrics: {listen: ''}\n"
+        "targets: [{adapter: llama, model: gemma, concurrency: auto, concurrency_max: 3}]\n",
     )
-    probed = await trio.run_process(
-        [sys.executable, "-m", "iop_trio.cli", "check-config", "--config", str(config), "--probe"],
-        capture_stdout=True,
-        capture_stderr=True,
-        check=False,
-    )
-    out = probed.stdout.decode()
     assert "target llama/gemma limit=auto 1..3" in out, (out, probed.stderr)
     adapter = OpenAIAdapter(
         "llama", OpenAISettings(base_url=llama_server, read_timeout=RUN_TIMEOUT)
@@ -455,21 +465,12 @@ async def test_replicas_over_the_real_engine_with_one_dead(llama_server, tmp_pat
     other = llama_server.replace("127.0.0.1", "localhost")
     dead = f"http://127.0.0.1:{port}"
     config = tmp_path / "node.yaml"
-    config.write_text(
-        "node_id: smoke\n"
+    probed, out = await probe_config(
+        config,
         "adapters: {llama: {kind: openai, routing: round_robin, "
         f"replicas: ['{llama_server}', '{other}', '{dead}']}}}}\n"
-        "targets: [{adapter: llama, model: gemma, concurrency: 3}]\n"
-        f"store: {{path: {tmp_path / 'node.db'}}}\n"
-        "metrics: {listen: ''}\n"
+        "targets: [{adapter: llama, model: gemma, concurrency: 3}]\n",
     )
-    probed = await trio.run_process(
-        [sys.executable, "-m", "iop_trio.cli", "check-config", "--config", str(config), "--probe"],
-        capture_stdout=True,
-        capture_stderr=True,
-        check=False,
-    )
-    out = probed.stdout.decode()
     assert probed.returncode == 1, (out, probed.stderr)
     assert f"replica {llama_server}: reachable" in out, out
     assert f"replica {other}: reachable" in out, out
