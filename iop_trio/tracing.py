@@ -62,7 +62,8 @@ IOP_RUN_ID = "iop.run_id"
 IOP_NODE_ID = "iop.node_id"
 #: seconds from a run's submission to its start (or to its end, for one never started)
 IOP_QUEUE_WAIT_S = "iop.queue.wait_s"
-#: which level was full when a run began to wait: tenant, target, adapter, global, queue
+#: which level was full when a run began to wait: tenant, target, adapter, global,
+#: replica (no replica of its adapter fitted it), queue
 IOP_QUEUE_LEVEL = "iop.queue.level"
 IOP_REJECT_REASON = "iop.reject.reason"
 #: the run's terminal status (succeeded, failed, cancelled, rejected, interrupted)
