@@ -75,9 +75,11 @@ def fold(record: RunRecord, event: RunEvent) -> None:
     Raises :class:`IllegalTransition` for a status event the table does not
     allow, and ValueError for a seq that is not the next one, a DELTA on a
     run that is not RUNNING, a token count on an event that is not a DELTA (or
-    a negative one), or a usage on an event that does not end a run that
-    started (a RUNNING run's terminal event): a run that never started used no
-    tokens. The record is unchanged when it raises.
+    a negative one), or a usage or a replica on an event that is neither STARTED
+    (a replica only) nor the end of a run that started (a RUNNING run's terminal
+    event): a run that never started used no tokens and ran nowhere. A replica
+    named sets the record's; an event that names none leaves it. The record is
+    unchanged when it raises.
     """
     if event.seq != record.last_seq + 1:
         raise ValueError(f"run {record.run_id}: event seq {event.seq} after {record.last_seq}")
@@ -87,6 +89,8 @@ def fold(record: RunRecord, event: RunEvent) -> None:
             raise ValueError(f"run {record.run_id}: delta while {record.status.value}")
         if event.tokens < 0:
             raise ValueError(f"run {record.run_id}: a delta of {event.tokens} tokens")
+        if event.replica:
+            raise ValueError(f"run {record.run_id}: a replica on a delta")
     else:
         check_transition(record.run_id, record.status, new)
         if event.tokens:
@@ -96,7 +100,16 @@ def fold(record: RunRecord, event: RunEvent) -> None:
                 f"run {record.run_id}: usage on a {event.kind.value} event "
                 f"from {record.status.value}: only the end of a run that started has usage"
             )
+        if event.replica and not (
+            new is RunStatus.RUNNING or (new.terminal and record.status is RunStatus.RUNNING)
+        ):
+            raise ValueError(
+                f"run {record.run_id}: a replica on a {event.kind.value} event "
+                f"from {record.status.value}: only a run that started ran on one"
+            )
         record.status = new
+        if event.replica:
+            record.replica = event.replica
         if new is RunStatus.RUNNING:
             record.started = event.time
         elif new.terminal:
@@ -168,14 +181,15 @@ class RunState:
         message: str = "",
         usage: Usage | None = None,
         retry_after: float | None = None,
+        replica: str = "",
     ) -> RunEvent:
         """Move to ``new`` and return its event; raises IllegalTransition.
 
         A REJECTED event needs a reason of :data:`~iop_trio.model.REJECT_REASONS`
         (ValueError otherwise). Only REJECTED and FAILED carry ``retry_after`` (the
         gate's hint; an engine's, when it turned the run away with a 429 or 503); any
-        other end drops it. Only the end of a run that started carries ``usage``
-        (ValueError otherwise, see :func:`fold`).
+        other end drops it. Only the end of a run that started carries ``usage``, and
+        only STARTED and that end a ``replica`` (ValueError otherwise, see :func:`fold`).
         """
         check_transition(self.record.run_id, self.record.status, new)
         if new is RunStatus.REJECTED and reason not in REJECT_REASONS:
@@ -189,6 +203,7 @@ class RunState:
             message=message,
             usage=usage,
             retry_after=retry_after if new in _HINTED else None,
+            replica=replica,
         )
         fold(self.record, event)
         return event

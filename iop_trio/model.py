@@ -230,6 +230,9 @@ class RunEvent:
     # DELTA: the engine tokens its text holds (one an engine chunk; see adapters.Delta);
     # 0 for every other event
     tokens: int = 0
+    # STARTED: the replica the run was sent to; the end of a run that started: the one it
+    # ended on (another after a failover); "" for any other event, or an adapter with none
+    replica: str = ""
 
     @property
     def status(self) -> RunStatus | None:
@@ -272,6 +275,9 @@ class RunRecord:
     tenant: str = ""
     priority: int = 0
     retry_after: float | None = None
+    # the replica (its URL without credentials) that ran it, as its last event that named
+    # one said; "" if none did (it never started, or its adapter has no replicas)
+    replica: str = ""
 
     def __repr__(self) -> str:
         reason = f"({self.reason})" if self.reason else ""

@@ -87,7 +87,8 @@ def seed_store(db: Path) -> dict[str, str]:
             )
             await store.create(state.record, first)
             for step in steps:
-                await store.append(state.transition(step, time=2.0))
+                # a run that started ran on a replica (credentials are never stored)
+                await store.append(state.transition(step, time=2.0, replica="http://gpu1:8000"))
         await store.aclose()
 
     db.parent.mkdir(parents=True, exist_ok=True)
@@ -118,6 +119,9 @@ def test_runs_list_show_and_offline_cancel(tmp_path, capsys):
     assert "status: succeeded" in out and "#3     succeeded" in out
     assert "tenant: acme" in out and "priority: 7" in out
     assert "model: m\n" in out and "prompt: p\n" in out and "ran: 0.00s\n" in out
+    assert "  replica: http://gpu1:8000\n" in out
+    code, out = run_cli("runs", "show", "queued-1", "--config", str(path))
+    assert "replica" not in out  # it never started: it ran nowhere
 
     code, out = run_cli("runs", "cancel", "queued-1", "--config", str(path), "--reason", "ops")
     assert (code, out.strip()) == (0, "queued-1: cancelled (no node was running)")

@@ -176,3 +176,31 @@ def test_a_delta_carries_its_engine_tokens_and_no_other_event_does():
     with pytest.raises(ValueError, match="tokens on a succeeded event"):
         fold(state.record, end)
     assert state.record.last_seq == 4
+
+
+def test_the_replica_a_run_ran_on_is_named_by_its_start_and_its_end():
+    """STARTED names where it went; the end, where it ended (another after a failover);
+    an end that names none leaves the record's."""
+    state, _ = make()
+    state.transition(RunStatus.RUNNING, time=2.0, replica="http://a:1")
+    assert state.record.replica == "http://a:1"
+    state.delta("x", time=2.1)
+    assert state.record.replica == "http://a:1"
+    state.transition(RunStatus.SUCCEEDED, time=3.0, replica="http://b:1")
+    assert state.record.replica == "http://b:1"
+    kept, _ = make()
+    kept.transition(RunStatus.RUNNING, time=2.0, replica="http://a:1")
+    kept.interrupt(time=5.0, message="restart")
+    assert kept.record.replica == "http://a:1"
+
+
+@pytest.mark.parametrize("end", [RunStatus.CANCELLED, RunStatus.REJECTED])
+def test_a_run_that_never_started_ran_on_no_replica(end):
+    state, _ = make()
+    with pytest.raises(ValueError, match="only a run that started ran on one"):
+        state.transition(end, time=3.0, reason="queue_full", replica="http://a:1")
+    assert (state.status, state.record.last_seq, state.record.replica) == (RunStatus.QUEUED, 1, "")
+    state.transition(RunStatus.RUNNING, time=2.0)
+    bad = attrs.evolve(state.delta("x", time=2.1), seq=4, replica="http://a:1")
+    with pytest.raises(ValueError, match="a replica on a delta"):
+        fold(state.record, bad)

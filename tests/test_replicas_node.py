@@ -143,6 +143,8 @@ async def test_runs_spread_over_the_replicas_and_each_is_named():
         assert all(r.status is RunStatus.SUCCEEDED for r in records)
         hits = collections.Counter(len(s.exchanges) for s in (a, b))
         assert hits == {2: 2}
+        # each record names the replica it ran on, as round robin sent them
+        assert [r.replica for r in records] == [a.url, b.url, a.url, b.url]
 
 
 async def test_a_replica_that_refuses_fails_over_once_and_is_marked_down():
@@ -158,9 +160,13 @@ async def test_a_replica_that_refuses_fails_over_once_and_is_marked_down():
                     ends.append(await wait_end(node, submitted.record.run_id))
                 assert [r.status for r, _ in ends] == [RunStatus.SUCCEEDED] * 3
                 # the first run went to the dead one, then to b; nothing stored twice
-                _, events = ends[0]
+                record, events = ends[0]
                 kinds = [e.kind for e in events]
                 assert kinds.count(EventKind.STARTED) == 1
+                # it started for the dead one and ended on b, and its record says so
+                [started] = [e for e in events if e.kind is EventKind.STARTED]
+                assert (started.replica, events[-1].replica) == (dead, b.url)
+                assert record.replica == b.url
                 assert "".join(e.text for e in events if e.kind is EventKind.DELTA) == "hello"
                 assert (("r", dead) in node.replica_health.down) is True
                 assert len(b.exchanges) == 3  # the dead one got no run after its mark

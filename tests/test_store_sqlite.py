@@ -38,7 +38,7 @@ from iop_trio.store.sqlite import (
     SqliteStoreHooks,
     usage_totals_sql,
 )
-from iop_trio.store.sqlite_schema import MIGRATE_1_TO_2
+from iop_trio.store.sqlite_schema import MIGRATE_1_TO_2, MIGRATE_2_TO_3
 
 from .support import HealthLog, logged, read_only
 from .test_store_contract import created, finished, new_run, running, seqs
@@ -278,7 +278,7 @@ async def test_a_version_2_store_is_migrated_with_its_usage_in_numbers(tmp_path)
         await store.aclose()
     raw = sqlite3.connect(path)
     try:
-        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
         columns = "run_id, prompt_tokens, completion_tokens, prompt_estimated, completion_estimated"
         assert raw.execute(f"SELECT {columns} FROM runs ORDER BY id").fetchall() == [
             ("done", 7, 9, 0, 0),
@@ -286,6 +286,45 @@ async def test_a_version_2_store_is_migrated_with_its_usage_in_numbers(tmp_path)
         ]
     finally:
         raw.close()
+
+
+async def test_a_version_3_store_is_migrated_with_no_replica_named(tmp_path):
+    """v4 names the replica a run ran on; a run stored before names none, and one it
+    left RUNNING is interrupted and can be read back as before."""
+    path = tmp_path / "runs.db"
+    raw = sqlite3.connect(path)
+    for statement in (*V1_SCHEMA, *MIGRATE_1_TO_2, *MIGRATE_2_TO_3):
+        raw.execute(statement)
+    raw.execute(
+        "INSERT INTO runs VALUES (1, 'live', 'echo/m', 'running', 0, 1.0, 'p', '[]', '{}', "
+        "2.0, NULL, '', '', 2, NULL, '', 0, NULL, NULL, NULL, 0, 0)"
+    )
+    event = "INSERT INTO events VALUES ('live', ?, ?, 2.0, '', '', '', NULL, NULL, 0)"
+    raw.execute(event, (1, "queued"))
+    raw.execute(event, (2, "started"))
+    raw.execute("PRAGMA user_version = 3")
+    raw.commit()
+    raw.close()
+    store = SqliteStore(path)
+    try:
+        live = await store.get("live")
+        assert live is not None and live.replica == ""
+        assert [e.replica for e in await store.events("live")] == ["", ""]
+        [interrupted] = await store.interrupt_unfinished(time=5.0, message="restart")
+        assert (interrupted.status, interrupted.replica) == (RunStatus.INTERRUPTED, "")
+        state, first = RunState.create(run_id="new", target="echo/m", background=False, time=6.0)
+        await store.create(state.record, first)
+        await store.append(state.transition(RunStatus.RUNNING, time=7.0, replica="http://b:8000"))
+        await store.append(state.transition(RunStatus.SUCCEEDED, time=8.0, replica="http://c:8000"))
+        got = await store.get("new")
+        assert got is not None and got.replica == "http://c:8000" == state.record.replica
+        assert [e.replica for e in await store.events("new")] == [
+            "",
+            "http://b:8000",
+            "http://c:8000",
+        ]
+    finally:
+        await store.aclose()
 
 
 @pytest.mark.parametrize("by", ["tenant", "target"])

@@ -92,23 +92,27 @@ async def runs_show(config: NodeConfig, ns: argparse.Namespace, out: TextIO) -> 
     excerpt = escape_controls(excerpt[:77] + ("..." if len(excerpt) > 77 else ""))
     ended = record.finished if record.finished is not None else time.time()
     took = f"{ended - record.started:.2f}s" if record.started is not None else "-"
-    for key, value in [
-        ("run", record.run_id),
-        ("target", record.target),
-        ("model", record.target.split("/", 1)[-1].split("@")[0]),
-        ("prompt", excerpt or "-"),
-        ("ran", took + ("" if record.finished is not None or took == "-" else " so far")),
-        ("status", record.status.value),
-        ("reason", record.reason or "-"),
-        ("message", record.message or "-"),
-        ("mode", "background" if record.background else "foreground"),
-        ("tenant", record.tenant or '"" (default)'),
-        ("priority", str(record.priority)),
-        ("created", local_time(record.created)),
-        ("started", local_time(record.started)),
-        ("finished", local_time(record.finished)),
-        ("events", str(record.last_seq)),
-    ] + ([("retry", f"after {record.retry_after:g}s")] if record.retry_after else []):
+    for key, value in (
+        [
+            ("run", record.run_id),
+            ("target", record.target),
+            ("model", record.target.split("/", 1)[-1].split("@")[0]),
+            ("prompt", excerpt or "-"),
+            ("ran", took + ("" if record.finished is not None or took == "-" else " so far")),
+            ("status", record.status.value),
+            ("reason", record.reason or "-"),
+            ("message", record.message or "-"),
+            ("mode", "background" if record.background else "foreground"),
+            ("tenant", record.tenant or '"" (default)'),
+            ("priority", str(record.priority)),
+            ("created", local_time(record.created)),
+            ("started", local_time(record.started)),
+            ("finished", local_time(record.finished)),
+            ("events", str(record.last_seq)),
+        ]
+        + ([("retry", f"after {record.retry_after:g}s")] if record.retry_after else [])
+        + ([("replica", record.replica)] if record.replica else [])
+    ):
         out.write(f"{key:>9}: {escape_controls(value)}\n")
     if record.usage is not None:
         u = record.usage

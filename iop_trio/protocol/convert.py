@@ -122,6 +122,7 @@ def event_to_pb(event: RunEvent) -> pb.RunEvent:
         message=event.message,
         retry_after_s=event.retry_after or 0.0,
         tokens=event.tokens,
+        replica=event.replica,
     )
     if event.usage is not None:
         message.usage.CopyFrom(usage_to_pb(event.usage))
@@ -176,6 +177,7 @@ def event_from_pb(message: pb.RunEvent) -> RunEvent:
         usage=usage,
         retry_after=message.retry_after_s or None,
         tokens=message.tokens,
+        replica=message.replica,
     )
 
 
@@ -246,6 +248,7 @@ def summary_from_record(record: RunRecord) -> pb.RunSummary:
         tenant=record.tenant,
         priority=record.priority,
         retry_after_s=record.retry_after or 0.0,
+        replica=record.replica,
     )
     if record.usage is not None:
         summary.usage.CopyFrom(usage_to_pb(record.usage))

@@ -133,6 +133,9 @@ class LiveRun:
     sent_at: float | None = None
     first_at: float | None = None
     heard_at: float | None = None
+    # from its STARTED on: the replica its engine request goes to ("" where its adapter
+    # has none); another after a failover (pipeline.StreamRelay.relay_run)
+    replica: str = ""
     # while STARTING: its STARTED event, and the Event set once that is durable
     starting: tuple[RunEvent, trio.Event] | None = None
     # a list while it is short (a queued run has one event: an empty deque of the
@@ -162,6 +165,13 @@ class LiveRun:
                 f"run {self.state.record.run_id} cannot go from {self.phase.value} to {to.value}"
             )
         self.phase = to
+
+    def start_event(self, time: float) -> RunEvent:
+        """Move its state to RUNNING; the STARTED event, which names the replica its
+        permit holds a place at (and so does :attr:`replica` from now on)."""
+        permit = self.permit
+        self.replica = (None if permit is None else permit.replica) or ""
+        return self.state.transition(RunStatus.RUNNING, time=time, replica=self.replica)
 
     def admit(self, permit: Permit) -> None:
         """A run that waited (QUEUED) was granted ``permit``."""
@@ -311,7 +321,7 @@ class LiveRuns:
         same as if it were waited for here; the engine's first token, which takes
         longer, hides the commit. A crash in between leaves the run QUEUED, so
         INTERRUPTED at restart."""
-        event = live.state.transition(RunStatus.RUNNING, time=self._now())
+        event = live.start_event(self._now())
         durable = trio.Event()
         live.unsynced = 0
         live.move(RunPhase.STARTING)

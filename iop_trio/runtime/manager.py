@@ -369,7 +369,7 @@ class RunManager:
         durable = trio.Event()
         try:
             if permit is not None:
-                then = (live.state.transition(RunStatus.RUNNING, time=self._now()),)
+                then = (live.start_event(self._now()),)
             if engine is not None:
                 live.starting = (then[0], durable)
                 self._nursery.start_soon(engine)
@@ -529,6 +529,7 @@ class RunManager:
                 message=outcome.message,
                 usage=self._settled(live, outcome.usage),
                 retry_after=outcome.retry_after,
+                replica=live.replica if live.state.status is RunStatus.RUNNING else "",
             )
             with trio.move_on_after(self.final_write_timeout, shield=True) as scope:
                 await self.runs.write(live, event)

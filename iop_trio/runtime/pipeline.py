@@ -232,6 +232,7 @@ class StreamRelay:
         log.info(
             "run %s: %s failed it (%s), on to %s", request.run_id, replica, outcome.reason, other
         )
+        live.replica = other
         outcome = await self.relay(live, engines[other], request, target)
         if outcome.reason not in FAILOVER_REASONS or live.first_at is not None:
             return outcome

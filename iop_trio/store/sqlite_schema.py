@@ -28,9 +28,10 @@ from .base import StoreError, UsageGroup
 T = TypeVar("T")
 
 #: The schema this code writes; PRAGMA user_version of the file. Versions 1 (without
-#: tenants, priorities and retry hints) and 2 (without the runs' token columns and the
-#: deltas' token counts) are migrated in place when the store opens.
-SCHEMA_VERSION = 3
+#: tenants, priorities and retry hints), 2 (without the runs' token columns and the
+#: deltas' token counts) and 3 (without replicas) are migrated in place when the store
+#: opens.
+SCHEMA_VERSION = 4
 
 SCHEMA = (
     """
@@ -57,7 +58,8 @@ SCHEMA = (
         prompt_tokens INTEGER,
         completion_tokens INTEGER,
         prompt_estimated INTEGER NOT NULL DEFAULT 0,
-        completion_estimated INTEGER NOT NULL DEFAULT 0
+        completion_estimated INTEGER NOT NULL DEFAULT 0,
+        replica TEXT NOT NULL DEFAULT ''     -- where it ran; '': nowhere, or no replicas
     )
     """,
     "CREATE INDEX runs_status ON runs (status, id)",
@@ -76,6 +78,7 @@ SCHEMA = (
         usage TEXT,                          -- JSON object or NULL
         retry_after REAL,
         tokens INTEGER,                      -- a delta's engine tokens; NULL: before v3
+        replica TEXT NOT NULL DEFAULT '',    -- STARTED and a started run's end: where
         PRIMARY KEY (run_id, seq)
     ) WITHOUT ROWID
     """,
@@ -98,6 +101,11 @@ MIGRATE_2_TO_3 = (
     "ALTER TABLE runs ADD COLUMN completion_estimated INTEGER NOT NULL DEFAULT 0",
     "ALTER TABLE events ADD COLUMN tokens INTEGER",
 )
+#: From schema version 3 to 4: a run stored before ran on no replica.
+MIGRATE_3_TO_4 = (
+    "ALTER TABLE runs ADD COLUMN replica TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE events ADD COLUMN replica TEXT NOT NULL DEFAULT ''",
+)
 
 #: The columns that hold a run's usage as numbers (:func:`usage_columns`).
 USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "prompt_estimated", "completion_estimated")
@@ -105,13 +113,16 @@ RUN_COLUMNS = (
     "run_id, target, status, background, created, prompt, messages, options, "
     "started, finished, reason, message, last_seq, usage, tenant, priority, retry_after, "
     + ", ".join(USAGE_FIELDS)
+    + ", replica"
 )
-EVENT_COLUMNS = "run_id, seq, kind, time, text, reason, message, usage, retry_after, tokens"
+EVENT_COLUMNS = (
+    "run_id, seq, kind, time, text, reason, message, usage, retry_after, tokens, replica"
+)
 # Folding reads and writes only the columns lifecycle.fold() looks at or
 # changes, so a delta does not reload a long prompt or chat history.
 FOLD_FIELDS = (
     "status", "last_seq", "started", "finished", "reason", "message", "usage", "retry_after",
-    *USAGE_FIELDS,
+    *USAGE_FIELDS, "replica",
 )  # fmt: skip
 FOLD_COLUMNS = "run_id, " + ", ".join(FOLD_FIELDS)
 LIVE_VALUES = tuple(sorted(s.value for s in LIVE_STATUSES))
@@ -142,12 +153,8 @@ def check_or_create_schema(conn: sqlite3.Connection) -> None:
             for statement in SCHEMA:
                 conn.execute(statement)
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        elif version in (1, 2):
-            for statement in MIGRATE_1_TO_2 if version == 1 else ():
-                conn.execute(statement)
-            for statement in MIGRATE_2_TO_3:
-                conn.execute(statement)
-            fill_token_columns(conn)
+        elif version in (1, 2, 3):
+            migrate(conn, version)
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         elif version != SCHEMA_VERSION:  # pragma: no cover - no other versions exist
             raise StoreError(f"the run store has schema version {version}; cannot migrate it")
@@ -155,6 +162,19 @@ def check_or_create_schema(conn: sqlite3.Connection) -> None:
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+
+
+def migrate(conn: sqlite3.Connection, version: int) -> None:
+    """Bring a store of schema ``version`` (1 to 3) to :data:`SCHEMA_VERSION`, in the
+    caller's transaction."""
+    for statement in MIGRATE_1_TO_2 if version == 1 else ():
+        conn.execute(statement)
+    if version < 3:
+        for statement in MIGRATE_2_TO_3:
+            conn.execute(statement)
+        fill_token_columns(conn)
+    for statement in MIGRATE_3_TO_4:
+        conn.execute(statement)
 
 
 def usage_totals_sql(
@@ -311,6 +331,7 @@ def run_row(record: RunRecord) -> tuple[object, ...]:
         record.priority,
         record.retry_after,
         *usage_columns(record.usage),
+        record.replica,
     )
 
 
@@ -334,6 +355,7 @@ def run_from_row(row: tuple[Any, ...]) -> RunRecord:
         tenant=row[14],
         priority=row[15],
         retry_after=row[16],
+        replica=row[21],
     )
 
 
@@ -349,6 +371,7 @@ def event_row(event: RunEvent) -> tuple[object, ...]:
         usage_json(event.usage),
         event.retry_after,
         event.tokens,
+        event.replica,
     )
 
 
@@ -368,6 +391,7 @@ def event_from_row(row: tuple[Any, ...]) -> RunEvent:
         usage=usage_from_json(row[7]),
         retry_after=row[8],
         tokens=tokens,
+        replica=row[10],
     )
 
 
@@ -386,6 +410,7 @@ def fold_record(row: tuple[Any, ...]) -> RunRecord:
         message=row[6],
         usage=usage_from_json(row[7]),
         retry_after=row[8],
+        replica=row[13],
     )
 
 
@@ -401,6 +426,7 @@ def fold_values(record: RunRecord) -> tuple[object, ...]:
         usage_json(record.usage),
         record.retry_after,
         *usage_columns(record.usage),
+        record.replica,
     )
 
 

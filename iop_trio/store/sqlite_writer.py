@@ -283,7 +283,7 @@ class SqliteWriter:
             conn.execute("DELETE FROM events WHERE run_id = ?", (PROBE_RUN,))
             conn.execute(
                 f"INSERT INTO events ({EVENT_COLUMNS}) "
-                "VALUES (?, 0, 'probe', 0, zeroblob(?), '', '', NULL, NULL, NULL)",
+                "VALUES (?, 0, 'probe', 0, zeroblob(?), '', '', NULL, NULL, NULL, '')",
                 (PROBE_RUN, size),
             )
             conn.execute("COMMIT")

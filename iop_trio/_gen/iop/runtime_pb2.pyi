@@ -299,7 +299,7 @@ class Usage(_message.Message):
     def __init__(self, done_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., prompt_estimated: _Optional[bool] = ..., completion_estimated: _Optional[bool] = ...) -> None: ...
 
 class RunEvent(_message.Message):
-    __slots__ = ("run_id", "seq", "kind", "time", "text", "reason", "message", "usage", "retry_after_s", "tokens")
+    __slots__ = ("run_id", "seq", "kind", "time", "text", "reason", "message", "usage", "retry_after_s", "tokens", "replica")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +310,7 @@ class RunEvent(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     seq: int
     kind: EventKind
@@ -320,7 +321,8 @@ class RunEvent(_message.Message):
     usage: Usage
     retry_after_s: float
     tokens: int
-    def __init__(self, run_id: _Optional[str] = ..., seq: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., time: _Optional[float] = ..., text: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., retry_after_s: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
+    replica: str
+    def __init__(self, run_id: _Optional[str] = ..., seq: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., time: _Optional[float] = ..., text: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., retry_after_s: _Optional[float] = ..., tokens: _Optional[int] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class CancelRun(_message.Message):
     __slots__ = ("run_id", "reason")
@@ -353,7 +355,7 @@ class GetRun(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., include_events: _Optional[bool] = ..., after_seq: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
 
 class RunSummary(_message.Message):
-    __slots__ = ("run_id", "target", "status", "reason", "message", "background", "created", "started", "finished", "last_seq", "tenant", "priority", "retry_after_s", "usage")
+    __slots__ = ("run_id", "target", "status", "reason", "message", "background", "created", "started", "finished", "last_seq", "tenant", "priority", "retry_after_s", "usage", "replica")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -368,6 +370,7 @@ class RunSummary(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     target: str
     status: RunStatus
@@ -382,7 +385,8 @@ class RunSummary(_message.Message):
     priority: int
     retry_after_s: float
     usage: Usage
-    def __init__(self, run_id: _Optional[str] = ..., target: _Optional[str] = ..., status: _Optional[_Union[RunStatus, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., background: _Optional[bool] = ..., created: _Optional[float] = ..., started: _Optional[float] = ..., finished: _Optional[float] = ..., last_seq: _Optional[int] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., retry_after_s: _Optional[float] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    replica: str
+    def __init__(self, run_id: _Optional[str] = ..., target: _Optional[str] = ..., status: _Optional[_Union[RunStatus, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., background: _Optional[bool] = ..., created: _Optional[float] = ..., started: _Optional[float] = ..., finished: _Optional[float] = ..., last_seq: _Optional[int] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., retry_after_s: _Optional[float] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class RunInfo(_message.Message):
     __slots__ = ("run", "events", "more_events")
