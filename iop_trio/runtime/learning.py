@@ -17,6 +17,17 @@ their first token too long (:meth:`~.capacity.LearnedCapacity.on_waiting`). An e
 that cannot be asked at start is taken for one that exposes signals, and its failed
 scrapes count as saturated until it answers. Each move sets the pool's limit and token
 budget in the gate, is counted by reason and logged at debug level.
+
+**Runs let in past what the engine holds are taken back.** A run let in over a limit
+the learner then lowered waits inside the engine for a place, a whole run's time when
+runs are long, out of reach of the node's priorities, cancels and limits. After every
+look, while the pool's runs in the engine are over its limit or budget, the youngest
+that wait past :meth:`~.capacity.LearnedCapacity.waited_past` for a first token are
+taken back (their request closed: the engine sent nothing for them, so nothing is sent
+twice) and wait in the node, holding their permits; as the engine's runs end, the first
+taken back go again, before any new run (their permits keep their places). The runs
+taken back count as waiting for the pool, not as in the engine, in what the policy is
+told (:class:`StepsBack`: the node's live runs, `live.LiveRuns`).
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import math
 import random
 import weakref
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import trio
 
@@ -39,6 +51,33 @@ log = logging.getLogger(__name__)
 
 #: The share of an interval a scrape waits after the last one, at least.
 LEAST_GAP = 0.25
+
+
+class StepsBack(Protocol):
+    """What takes runs' engine requests back and lets them go again (live.LiveRuns)."""
+
+    def held_back(self) -> Iterable[Permit]:
+        """The permits of the runs taken back that wait to go again, first granted first."""
+        ...
+
+    def step_back(self, permit: Permit) -> bool:
+        """Take back the request of the run that holds ``permit``; whether it was."""
+        ...
+
+    def go_again(self, permit: Permit) -> None:
+        """Let the run that holds ``permit`` send its request again."""
+        ...
+
+
+class _NoneBack:
+    def held_back(self) -> Iterable[Permit]:
+        return ()
+
+    def step_back(self, permit: Permit) -> bool:
+        return False
+
+    def go_again(self, permit: Permit) -> None:
+        pass
 
 
 class CapacityLearner:
@@ -70,6 +109,8 @@ class CapacityLearner:
         #: token came (the run manager's :meth:`~.manager.RunManager.in_engine`; set by
         #: the node)
         self.in_engine: Callable[[], Iterable[tuple[Permit, float, bool]]] = lambda: ()
+        #: takes runs back from the engine (module docstring; set by the node)
+        self.steps_back: StepsBack = _NoneBack()
         self._told: weakref.WeakSet[Permit] = weakref.WeakSet()  # runs said to wait
         #: told each scrape (None: it failed), for a replica's routing (set by the node)
         self.scraped: Callable[[EngineSignals | None], None] | None = None
@@ -136,18 +177,20 @@ class CapacityLearner:
         began = trio.current_time()
         while True:
             stalled, unjudged = self._judge(learned)
+            held, running, reserved = self._engaged()
             self._apply(
                 learned.on_engine(
                     # a failed read, or signals that went away: saturated, not free
                     signals if isinstance(signals, EngineSignals) else None,
                     trio.current_time(),
-                    running=self.pool.running,
-                    reserved=self.pool.reserved,
-                    queued=self.gate.scheduler.waiting_for(self.pool),
+                    running=running,
+                    reserved=reserved,
+                    queued=self.gate.scheduler.waiting_for(self.pool) + len(held),
                     stalled=stalled,
                     unjudged=unjudged,
                 )
             )
+            self._rebalance(learned)
             # the next scrape begins an interval after this one began, or, after a slow
             # one, LEAST_GAP of an interval after it answered
             now = trio.current_time()
@@ -161,16 +204,65 @@ class CapacityLearner:
             await trio.sleep(self._jittered(learned.interval))
             _stalled, unjudged = self._judge(learned)  # the step now, first
             self._look_for_waiting(learned)
+            held, running, reserved = self._engaged()
+            smallest = self.gate.scheduler.smallest_waiting(self.pool)
+            if held:
+                least = min(p.cost for p in held)
+                smallest = least if smallest is None else min(smallest, least)
             self._apply(
                 learned.on_tick(
                     trio.current_time(),
-                    running=self.pool.running,
-                    reserved=self.pool.reserved,
-                    queued=self.gate.scheduler.waiting_for(self.pool),
-                    smallest=self.gate.scheduler.smallest_waiting(self.pool),
+                    running=running,
+                    reserved=reserved,
+                    queued=self.gate.scheduler.waiting_for(self.pool) + len(held),
+                    smallest=smallest,
                     unjudged=unjudged,
                 )
             )
+            self._rebalance(learned)
+
+    def _engaged(self, ending: Permit | None = None) -> tuple[list[Permit], int, int]:
+        """The pool's runs taken back (first granted first), and the runs and tokens it
+        has in the engine: the rest, but ``ending`` (a run about to give its place back)."""
+        held = [p for p in self.steps_back.held_back() if p.at_grant(self.pool) is not None]
+        running = self.pool.running - len(held)
+        reserved = self.pool.reserved - sum(p.cost for p in held)
+        if ending is not None and ending.at_grant(self.pool) is not None:
+            running, reserved = running - 1, reserved - ending.cost
+        return held, running, reserved
+
+    def _rebalance(self, learned: LearnedCapacity, ending: Permit | None = None) -> None:
+        """Over the learned limit or budget, take back the youngest runs that wait for
+        a first token past their bound; under them, let the first taken back go again
+        (module docstring)."""
+        if learned.signal != "latency":
+            return
+        held, running, reserved = self._engaged(ending)
+        limit, budget = learned.limit, learned.budget
+        if running > limit or (running > 1 and reserved > budget):
+            now = trio.current_time()
+            waiting = [
+                permit
+                for permit, sent, had_first in self.in_engine()
+                if not had_first
+                and permit is not ending
+                and permit.at_grant(self.pool) is not None
+                and (past := learned.waited_past(permit.cost)) is not None
+                and now - sent > past
+            ]
+            waiting.sort(key=lambda p: p.granted_at or 0.0, reverse=True)
+            for permit in waiting:
+                if running <= limit and (running <= 1 or reserved <= budget):
+                    break
+                if self.steps_back.step_back(permit):
+                    self._told.add(permit)  # what it shows after this is not a sample
+                    running, reserved = running - 1, reserved - permit.cost
+            return
+        for permit in held:
+            if running + 1 > limit or (running and reserved + permit.cost > budget):
+                break
+            self.steps_back.go_again(permit)
+            running, reserved = running + 1, reserved + permit.cost
 
     def _judge(self, learned: LearnedCapacity) -> tuple[int, int]:
         """The pool's runs in the engine that are stalled (nothing heard for longer than
@@ -272,3 +364,4 @@ class CapacityLearner:
             granted = permit.granted_at
             took = None if granted is None else trio.current_time() - granted
             self.learned.on_run_end(tpot, took)
+            self._rebalance(self.learned, ending=permit)  # its place: a run taken back's

@@ -75,6 +75,11 @@ class Outcome:
     tpot: float | None = None
 
 
+#: The most times a run's engine request is taken back (:meth:`LiveRun.step_back`): after
+#: that it waits where it is, inside its engine.
+MOST_STEPS_BACK = 2
+
+
 class RunPhase(enum.Enum):
     """Where a live run is on its way (see :data:`PHASE_MOVES`)."""
 
@@ -136,6 +141,12 @@ class LiveRun:
     # from its STARTED on: the replica its engine request goes to ("" where its adapter
     # has none); another after a failover (pipeline.StreamRelay.relay_run)
     replica: str = ""
+    # while its engine request may be taken back (sent, nothing heard from the engine
+    # yet): that request's cancel scope; once taken back, the Event that lets it go
+    # again; how many times it was (see :meth:`step_back`)
+    attempt: trio.CancelScope | None = None
+    back: trio.Event | None = None
+    steps_back: int = 0
     # while STARTING: its STARTED event, and the Event set once that is durable
     starting: tuple[RunEvent, trio.Event] | None = None
     # a list while it is short (a queued run has one event: an empty deque of the
@@ -165,6 +176,32 @@ class LiveRun:
                 f"run {self.state.record.run_id} cannot go from {self.phase.value} to {to.value}"
             )
         self.phase = to
+
+    def step_back(self) -> bool:
+        """Take its engine request back: close it and have the run wait, holding its
+        permit, until :meth:`go_again` (``concurrency: auto`` does this to a run that
+        waits inside an engine found full, so the wait is in the node's hands, where a
+        cancel, a priority and the learned limit reach it). Only while the engine has
+        sent nothing for it, so nothing it relays is sent twice; False (nothing done)
+        otherwise, or once it was taken back :data:`MOST_STEPS_BACK` times."""
+        attempt = self.attempt
+        if attempt is None or self.first_at is not None or self.steps_back >= MOST_STEPS_BACK:
+            return False
+        self.steps_back += 1
+        self.attempt = None
+        self.back = trio.Event()
+        attempt.cancel()
+        return True
+
+    @property
+    def held_back(self) -> bool:
+        """Whether it was taken back (:meth:`step_back`) and waits to go again."""
+        return self.back is not None and not self.back.is_set()
+
+    def go_again(self) -> None:
+        """Let a run taken back send its request again (nothing if it was not)."""
+        if self.back is not None:
+            self.back.set()
 
     def start_event(self, time: float) -> RunEvent:
         """Move its state to RUNNING; the STARTED event, which names the replica its
@@ -288,6 +325,26 @@ class LiveRuns:
 
     def __iter__(self) -> Iterator[LiveRun]:
         return iter(self._runs.values())
+
+    def held_back(self) -> Iterator[Permit]:
+        """The permits of the runs taken back from their engine (:meth:`LiveRun.step_back`)
+        that wait to go again, the first granted first (learning.StepsBack)."""
+        held = [live.permit for live in self if live.held_back and live.permit is not None]
+        yield from sorted(held, key=lambda p: p.granted_at or 0.0)
+
+    def step_back(self, permit: Permit) -> bool:
+        """Take back the engine request of the run that holds ``permit``; whether it was."""
+        live = self._holding(permit)
+        return live is not None and live.step_back()
+
+    def go_again(self, permit: Permit) -> None:
+        """Let the run that holds ``permit``, taken back, send its request again."""
+        live = self._holding(permit)
+        if live is not None:
+            live.go_again()
+
+    def _holding(self, permit: Permit) -> LiveRun | None:
+        return next((live for live in self if live.permit is permit), None)
 
     def __contains__(self, run_id: str) -> bool:
         return run_id in self._runs

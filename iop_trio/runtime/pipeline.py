@@ -43,6 +43,11 @@ ReplicaAnswered = Callable[[str, str, str | None], None]
 #: goes to another replica, once: it refused to connect, did not answer in time, or
 #: said it is busy or unavailable (429, 503). Any other failure is the run's own.
 FAILOVER_REASONS = frozenset({"connection", "timeout", "engine_busy", "engine_unavailable"})
+#: What one attempt of a run ends as when its request was taken back (LiveRun.step_back):
+#: never a run's end; its engine span says so.
+STEPPED_BACK = Outcome(
+    RunStatus.FAILED, "stepped_back", "the engine queued it: taken back to wait in the node"
+)
 
 
 class Batches:
@@ -218,9 +223,9 @@ class StreamRelay:
         permit, replicas = live.permit, self.replicas
         replica = None if permit is None else permit.replica
         if permit is None or replica is None or replicas is None:
-            return await self.relay(live, adapter, request, target)
+            return await self.attempts(live, adapter, request, target)
         engines = replicas.adapters[target.adapter]
-        outcome = await self.relay(live, engines[replica], request, target)
+        outcome = await self.attempts(live, engines[replica], request, target)
         failed = outcome.status is RunStatus.FAILED and outcome.reason in FAILOVER_REASONS
         if failed or outcome.ttft is not None:
             replicas.answered(target.adapter, replica, outcome.message if failed else None)
@@ -233,11 +238,26 @@ class StreamRelay:
             "run %s: %s failed it (%s), on to %s", request.run_id, replica, outcome.reason, other
         )
         live.replica = other
-        outcome = await self.relay(live, engines[other], request, target)
+        outcome = await self.attempts(live, engines[other], request, target)
         if outcome.reason not in FAILOVER_REASONS or live.first_at is not None:
             return outcome
         replicas.answered(target.adapter, other, outcome.message)
         return _unavailable(f"{replica} and {other} both failed the run", outcome)
+
+    async def attempts(
+        self, live: LiveRun, adapter: Adapter, request: AdapterRequest, target: TargetSpec
+    ) -> Outcome:
+        """:meth:`relay`, and again each time the run's request is taken back
+        (:meth:`LiveRun.step_back`: it had nothing from the engine, so nothing is sent
+        twice), once the run may go again (:meth:`LiveRun.go_again`)."""
+        while True:
+            outcome = await self.relay(live, adapter, request, target)
+            back = live.back
+            if outcome is not STEPPED_BACK or back is None:
+                return outcome
+            log.debug("run %s: taken back from its engine", request.run_id)
+            await back.wait()
+            live.back = None
 
     async def relay(
         self, live: LiveRun, adapter: Adapter, request: AdapterRequest, target: TargetSpec
@@ -258,6 +278,19 @@ class StreamRelay:
             spans.engine_ended(outcome)
 
     async def _relay(
+        self, live: LiveRun, adapter: Adapter, request: AdapterRequest, target: TargetSpec
+    ) -> Outcome:
+        """:meth:`_stream` in a scope that :meth:`LiveRun.step_back` may cancel until the
+        engine sends something (then :data:`STEPPED_BACK`)."""
+        with trio.CancelScope() as attempt:
+            live.attempt = attempt
+            try:
+                return await self._stream(live, adapter, request, target)
+            finally:
+                live.attempt = None
+        return STEPPED_BACK
+
+    async def _stream(
         self, live: LiveRun, adapter: Adapter, request: AdapterRequest, target: TargetSpec
     ) -> Outcome:
         limit = target.max_output_bytes
@@ -285,6 +318,7 @@ class StreamRelay:
         """Write one batch of chunks as delta events; the run's end if its output passed
         its bound (the chunk that passed it is neither sent nor counted), else None."""
         live.heard_at = trio.current_time()  # the learners' sign that it is not stalled
+        live.attempt = None  # the engine has answered it: it is not taken back now
         pending = _Pending()
         for chunk in batch:
             if relayed.completed:
