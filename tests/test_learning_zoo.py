@@ -9,13 +9,13 @@ for room: a request that came mid-step and joins at the next step boundary is no
 after a shift from long runs to short ones, 0.85 of the best static within 3 s. They are
 held here on the benchmark's sample, where they are met (any miss that must be let
 through is listed in :data:`KNOWN_MISSES`, with its cause). Over engines drawn from the
-whole of the issue's ranges they are not all met yet (about half the drawn engines miss
-one phase: an overshoot queued in the engine for a run's time, a slow start on an engine
-of 10 ms steps), so what Hypothesis holds there is that the learner never collapses, as
-the one before issue 30 did (0.04-0.09x of the best static on two of the sample): at
-least :data:`FLOOR` of the best static in every phase, at most :data:`MOST_QUEUED`
-queued. The examples are few and derandomized (each is minutes of simulated time);
-``python -m tests.zoo`` prints the figures of the sample.
+whole of the issue's ranges they are not all met yet (15 of 30 drawn engines meet every
+target, ``python -m tests.zoo --drawn 30``; most misses are a climb too slow for a burst
+or long runs on an engine of 100-200 ms steps), so what Hypothesis holds there is that
+the learner never collapses, as the one before issue 30 did (0.04-0.09x of the best
+static on two of the sample): at least :data:`FLOOR` of the best static in every phase,
+at most :data:`MOST_QUEUED` queued. The examples are few and derandomized (each is
+minutes of simulated time); ``python -m tests.zoo`` prints the figures of the sample.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import trio.testing
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from .zoo import LOADS, TARGET, judge, verdicts, zoo
+from .zoo import LOADS, LONG, TARGET, Config, judge, measure, verdicts, zoo
 
 REACH = 3.0  # seconds to 0.85x of the best static after a shift from long to short
 FLOOR = 0.33  # of the best static's tokens/s, in any phase of any drawn engine
@@ -102,3 +102,28 @@ def test_no_learner_collapses_on_any_engine_of_the_zoo(shape: Any, load: str) ->
                 load,
                 verdicts(results),
             )
+
+
+def test_the_latency_learner_takes_back_the_long_runs_it_let_in_past_the_cache() -> None:
+    """An engine whose cache holds 25 long runs and that has no batch cap (drawn engine
+    14 of ``python -m tests.zoo --drawn 30``): the latency learner lets in a few more
+    before it sees the first wait, and those used to wait inside the engine a whole long
+    run each (6.98 queued on average through the long phase). Taken back, they wait in
+    the node instead, and the engine's queue stays under one."""
+    shape = zoo.Shape(
+        "kv-25-long",
+        base_ms=101.973,
+        per_seq_ms=0.618,
+        prefill_us=20.0,
+        kv_tokens=33282,
+        max_batch=None,
+        metrics="vllm",
+        scrape_ms=119.157,
+        admit="arrival",
+        kv_mode="reserve",
+    )
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    figures = trio.run(measure, shape, Config("latency"), LOADS["shift"], clock=clock)
+    long = figures[1]
+    assert long.queued <= 1.0, long
+    assert long.running >= 0.85 * shape.fits(LONG.prompt_tokens, LONG.max_tokens, 48), long
