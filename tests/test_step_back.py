@@ -2,7 +2,8 @@
 does to a run that waits inside an engine found full): its request is closed, it waits
 in the node holding its permit, and goes again when told, with nothing sent or stored
 twice; never once the engine has sent it anything, and at most ``MOST_STEPS_BACK``
-times. A run taken back can still be cancelled.
+times. A run taken back can still be cancelled, and one never told goes again after
+``HOLD_AT_MOST``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import trio.testing
 from iop_trio.model import EventKind, RunSpec, RunStatus
 from iop_trio.runtime import Node, RuntimeLimits, TargetSpec
 from iop_trio.runtime.live import MOST_STEPS_BACK
+from iop_trio.runtime.pipeline import HOLD_AT_MOST
 from iop_trio.store.memory import MemoryStore
 
 from .engines import wait_end
@@ -113,3 +115,16 @@ async def test_a_run_taken_back_can_be_cancelled_and_never_goes_again(node):
     assert record.status is RunStatus.CANCELLED and adapter.started == [run_id]
     assert [e.kind for e in events].count(EventKind.STARTED) == 1
     assert node.gate.statistics().targets["scripted/a"].borrowed == 0  # its place is given back
+
+
+async def test_a_run_taken_back_and_never_told_goes_again_after_a_bound(node, autojump_clock):
+    adapter = _adapter(node)
+    run_id = await _started(node)
+    assert node.manager.runs.step_back(_permit(node, run_id))  # type: ignore[arg-type]
+    await trio.sleep(HOLD_AT_MOST - 1)
+    assert adapter.started == [run_id]
+    await trio.sleep(2)
+    assert adapter.started == [run_id, run_id]
+    adapter.script(run_id).finish()
+    record, _ = await wait_end(node, run_id)
+    assert record.status is RunStatus.SUCCEEDED

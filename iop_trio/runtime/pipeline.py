@@ -45,6 +45,9 @@ ReplicaAnswered = Callable[[str, str, str | None], None]
 FAILOVER_REASONS = frozenset({"connection", "timeout", "engine_busy", "engine_unavailable"})
 #: What one attempt of a run ends as when its request was taken back (LiveRun.step_back):
 #: never a run's end; its engine span says so.
+#: Seconds a run taken back waits to be told to go again before it goes anyway (so a
+#: learner that stopped, at a drain say, never strands it: it then waits in its engine).
+HOLD_AT_MOST = 30.0
 STEPPED_BACK = Outcome(
     RunStatus.FAILED, "stepped_back", "the engine queued it: taken back to wait in the node"
 )
@@ -249,14 +252,16 @@ class StreamRelay:
     ) -> Outcome:
         """:meth:`relay`, and again each time the run's request is taken back
         (:meth:`LiveRun.step_back`: it had nothing from the engine, so nothing is sent
-        twice), once the run may go again (:meth:`LiveRun.go_again`)."""
+        twice), once the run may go again (:meth:`LiveRun.go_again`), or after
+        :data:`HOLD_AT_MOST` seconds."""
         while True:
             outcome = await self.relay(live, adapter, request, target)
             back = live.back
             if outcome is not STEPPED_BACK or back is None:
                 return outcome
             log.debug("run %s: taken back from its engine", request.run_id)
-            await back.wait()
+            with trio.move_on_after(HOLD_AT_MOST):
+                await back.wait()
             live.back = None
 
     async def relay(
