@@ -24,8 +24,9 @@ runs are long, out of reach of the node's priorities, cancels and limits. After 
 look, while the pool's runs in the engine are over its limit or budget, the youngest
 that wait past :meth:`~.capacity.LearnedCapacity.waited_past` for a first token are
 taken back (their request closed: the engine sent nothing for them, so nothing is sent
-twice) and wait in the node, holding their permits; as the engine's runs end, the first
-taken back go again, before any new run (their permits keep their places). The runs
+twice) and wait in the node, holding their permits; as the engine's runs end, those
+this learner took back go again, the first granted first, before any new run (their
+permits keep their places). The runs
 taken back count as waiting for the pool, not as in the engine, in what the policy is
 told (:class:`StepsBack`: the node's live runs, `live.LiveRuns`).
 """
@@ -112,6 +113,9 @@ class CapacityLearner:
         #: takes runs back from the engine (module docstring; set by the node)
         self.steps_back: StepsBack = _NoneBack()
         self._told: weakref.WeakSet[Permit] = weakref.WeakSet()  # runs said to wait
+        # the runs this learner took back: only it lets them go (a run in two pools
+        # goes again once the pool that took it back has room)
+        self._taken: weakref.WeakSet[Permit] = weakref.WeakSet()
         #: told each scrape (None: it failed), for a replica's routing (set by the node)
         self.scraped: Callable[[EngineSignals | None], None] | None = None
 
@@ -233,8 +237,8 @@ class CapacityLearner:
 
     def _rebalance(self, learned: LearnedCapacity, ending: Permit | None = None) -> None:
         """Over the learned limit or budget, take back the youngest runs that wait for
-        a first token past their bound; under them, let the first taken back go again
-        (module docstring)."""
+        a first token past their bound; under them, let those this learner took back go
+        again, the first granted first (module docstring)."""
         if learned.signal != "latency":
             return
         held, running, reserved = self._engaged(ending)
@@ -256,11 +260,15 @@ class CapacityLearner:
                     break
                 if self.steps_back.step_back(permit):
                     self._told.add(permit)  # what it shows after this is not a sample
+                    self._taken.add(permit)
                     running, reserved = running - 1, reserved - permit.cost
             return
         for permit in held:
+            if permit not in self._taken:
+                continue
             if running + 1 > limit or (running and reserved + permit.cost > budget):
                 break
+            self._taken.discard(permit)
             self.steps_back.go_again(permit)
             running, reserved = running + 1, reserved + permit.cost
 

@@ -329,7 +329,11 @@ class LiveRuns:
     def held_back(self) -> Iterator[Permit]:
         """The permits of the runs taken back from their engine (:meth:`LiveRun.step_back`)
         that wait to go again, the first granted first (learning.StepsBack)."""
-        held = [live.permit for live in self if live.held_back and live.permit is not None]
+        held = [
+            live.permit
+            for live in self
+            if live.held_back and live.permit is not None and not live.permit.released
+        ]
         yield from sorted(held, key=lambda p: p.granted_at or 0.0)
 
     def step_back(self, permit: Permit) -> bool:

@@ -43,11 +43,11 @@ ReplicaAnswered = Callable[[str, str, str | None], None]
 #: goes to another replica, once: it refused to connect, did not answer in time, or
 #: said it is busy or unavailable (429, 503). Any other failure is the run's own.
 FAILOVER_REASONS = frozenset({"connection", "timeout", "engine_busy", "engine_unavailable"})
-#: What one attempt of a run ends as when its request was taken back (LiveRun.step_back):
-#: never a run's end; its engine span says so.
 #: Seconds a run taken back waits to be told to go again before it goes anyway (so a
 #: learner that stopped, at a drain say, never strands it: it then waits in its engine).
 HOLD_AT_MOST = 30.0
+#: What one attempt of a run ends as when its request was taken back (LiveRun.step_back):
+#: never a run's end; its engine span says so.
 STEPPED_BACK = Outcome(
     RunStatus.FAILED, "stepped_back", "the engine queued it: taken back to wait in the node"
 )
@@ -254,15 +254,18 @@ class StreamRelay:
         (:meth:`LiveRun.step_back`: it had nothing from the engine, so nothing is sent
         twice), once the run may go again (:meth:`LiveRun.go_again`), or after
         :data:`HOLD_AT_MOST` seconds."""
-        while True:
-            outcome = await self.relay(live, adapter, request, target)
-            back = live.back
-            if outcome is not STEPPED_BACK or back is None:
-                return outcome
-            log.debug("run %s: taken back from its engine", request.run_id)
-            with trio.move_on_after(HOLD_AT_MOST):
-                await back.wait()
-            live.back = None
+        try:
+            while True:
+                outcome = await self.relay(live, adapter, request, target)
+                back = live.back
+                if outcome is not STEPPED_BACK or back is None:
+                    return outcome
+                log.debug("run %s: taken back from its engine", request.run_id)
+                with trio.move_on_after(HOLD_AT_MOST):
+                    await back.wait()
+                live.back = None
+        finally:
+            live.back = None  # however it ends, it is not held back any more
 
     async def relay(
         self, live: LiveRun, adapter: Adapter, request: AdapterRequest, target: TargetSpec
@@ -322,6 +325,10 @@ class StreamRelay:
     ) -> Outcome | None:
         """Write one batch of chunks as delta events; the run's end if its output passed
         its bound (the chunk that passed it is neither sent nor counted), else None."""
+        if live.back is not None:
+            # taken back as this batch was handed over (the reader's send woke the run,
+            # which had not run yet): the batch is dropped, nothing of it is written
+            return STEPPED_BACK
         live.heard_at = trio.current_time()  # the learners' sign that it is not stalled
         live.attempt = None  # the engine has answered it: it is not taken back now
         pending = _Pending()
@@ -359,7 +366,9 @@ class StreamRelay:
         first = relayed.first = live.first_at = trio.current_time()
         if live.spans is not None:
             live.spans.first_token()
-        if self.first_token is not None and live.permit is not None:
+        # a run taken back gives no sample: its wait was cut, and what its grant saw is
+        # not what its last request met
+        if self.first_token is not None and live.permit is not None and not live.steps_back:
             self.first_token(live.permit, first - relayed.sent)
 
     def _succeeded(self, live: LiveRun, relayed: _Relayed) -> Outcome:
