@@ -118,6 +118,9 @@ async def test_auto_fills_the_engine_without_a_queue_inside_it_in_every_phase(
     assert sum(moves.values()) > 0 and all(
         r.startswith("engine_" if metrics else "latency_") for r in moves if r != "start"
     ), moves
+    taken = [s for s in families["iop_gate_runs_taken_back"].samples if s.name.endswith("_total")]
+    assert [s.labels["pool"] for s in taken] == ["target:sim/bench"], taken
+    assert taken[0].value == learner.taken_back  # none here: nothing let in waits
     signal = [s for s in families["iop_gate_learned_signal"].samples if s.value == 1]
     assert [s.labels["signal"] for s in signal] == [learner.signal]
     limit = [

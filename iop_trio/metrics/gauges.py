@@ -37,20 +37,27 @@ class GateCollector:
         self.link: Any = None  # a NodeLink, once the node has one (NodeMetrics.watch_link)
 
     def describe(self) -> Iterable[Metric]:
-        return [*self._families().values(), *self._link_families(), self._adjustments()]
+        return [*self._families().values(), *self._link_families(), *self._adjustments()]
 
-    def _adjustments(self) -> CounterMetricFamily:
-        """The moves of each learned concurrency, by why (counted by its learner)."""
+    def _adjustments(self) -> list[CounterMetricFamily]:
+        """The moves of each learned concurrency, by why, and the runs it took back from
+        its engine (counted by its learner)."""
         family = CounterMetricFamily(
             "iop_gate_limit_adjustments",
             help_of("iop_gate_limit_adjustments_total"),
             labels=["pool", "reason"],
         )
+        taken = CounterMetricFamily(
+            "iop_gate_runs_taken_back",
+            help_of("iop_gate_runs_taken_back_total"),
+            labels=["pool"],
+        )
         for pool, learner in self._node.learners.items():
             if learner.learned is not None:
                 for reason, count in learner.learned.moves.items():
                     family.add_metric([pool, reason], count)
-        return family
+                taken.add_metric([pool], learner.taken_back)
+        return [family, taken]
 
     def _link_families(self) -> list[Metric]:
         if self.link is None:
@@ -91,7 +98,7 @@ class GateCollector:
         g["iop_gate_queue_timeout_seconds"].add_metric([], stats.queue_timeout)
         _add_node(g, node)
         _add_replicas(g, node)
-        return [*g.values(), *self._link_families(), self._adjustments()]
+        return [*g.values(), *self._link_families(), *self._adjustments()]
 
     @staticmethod
     def _families() -> dict[str, GaugeMetricFamily]:

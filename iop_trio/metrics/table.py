@@ -253,6 +253,13 @@ METRICS: tuple[MetricInfo, ...] = (
         "Moves of a learned concurrency (concurrency: auto), by pool and why.",
     ),
     MetricInfo(
+        "iop_gate_runs_taken_back_total",
+        "counter",
+        ("pool",),
+        "Runs a learned concurrency took back from its engine (let in past what it holds, "
+        "waiting there for a first token) to wait in the node.",
+    ),
+    MetricInfo(
         "iop_gate_learned_signal",
         "gauge",
         ("pool", "signal"),

@@ -116,6 +116,8 @@ class CapacityLearner:
         # the runs this learner took back: only it lets them go (a run in two pools
         # goes again once the pool that took it back has room)
         self._taken: weakref.WeakSet[Permit] = weakref.WeakSet()
+        #: runs it has taken back since the start (``iop_gate_runs_taken_back_total``)
+        self.taken_back = 0
         #: told each scrape (None: it failed), for a replica's routing (set by the node)
         self.scraped: Callable[[EngineSignals | None], None] | None = None
 
@@ -261,6 +263,7 @@ class CapacityLearner:
                 if self.steps_back.step_back(permit):
                     self._told.add(permit)  # what it shows after this is not a sample
                     self._taken.add(permit)
+                    self.taken_back += 1
                     running, reserved = running - 1, reserved - permit.cost
             return
         for permit in held:
