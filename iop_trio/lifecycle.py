@@ -95,14 +95,13 @@ def fold(record: RunRecord, event: RunEvent) -> None:
         check_transition(record.run_id, record.status, new)
         if event.tokens:
             raise ValueError(f"run {record.run_id}: tokens on a {event.kind.value} event")
-        if event.usage is not None and not (new.terminal and record.status is RunStatus.RUNNING):
+        ends_started = new.terminal and record.status is RunStatus.RUNNING
+        if event.usage is not None and not ends_started:
             raise ValueError(
                 f"run {record.run_id}: usage on a {event.kind.value} event "
                 f"from {record.status.value}: only the end of a run that started has usage"
             )
-        if event.replica and not (
-            new is RunStatus.RUNNING or (new.terminal and record.status is RunStatus.RUNNING)
-        ):
+        if event.replica and not (new is RunStatus.RUNNING or ends_started):
             raise ValueError(
                 f"run {record.run_id}: a replica on a {event.kind.value} event "
                 f"from {record.status.value}: only a run that started ran on one"

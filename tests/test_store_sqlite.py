@@ -211,19 +211,31 @@ V1_SCHEMA = (
 )
 
 
+def old_store(
+    path: Path, version: int, schema: tuple[str, ...], rows: list[tuple[str, tuple[object, ...]]]
+) -> None:
+    """A store file as an older iop-trio left it: ``schema``'s statements, then each
+    ``(sql, args)`` of ``rows``, at ``PRAGMA user_version`` ``version``."""
+    raw = sqlite3.connect(path)
+    try:
+        for statement in schema:
+            raw.execute(statement)
+        for sql, args in rows:
+            raw.execute(sql, args)
+        raw.execute(f"PRAGMA user_version = {version}")
+        raw.commit()
+    finally:
+        raw.close()
+
+
 async def test_a_version_1_store_is_migrated_in_place(tmp_path):
     path = tmp_path / "runs.db"
-    raw = sqlite3.connect(path)
-    for statement in V1_SCHEMA:
-        raw.execute(statement)
-    raw.execute(
+    run = (
         "INSERT INTO runs VALUES (1, 'old', 'echo/m', 'queued', 0, 1.0, 'p', '[]', '{}', "
         "NULL, NULL, '', '', 1, NULL)"
     )
-    raw.execute("INSERT INTO events VALUES ('old', 1, 'queued', 1.0, '', '', '', NULL)")
-    raw.execute("PRAGMA user_version = 1")
-    raw.commit()
-    raw.close()
+    event = "INSERT INTO events VALUES ('old', 1, 'queued', 1.0, '', '', '', NULL)"
+    old_store(path, 1, V1_SCHEMA, [(run, ()), (event, ())])
     store = SqliteStore(path)
     try:
         record = await store.get("old")
@@ -246,24 +258,21 @@ async def test_a_version_2_store_is_migrated_with_its_usage_in_numbers(tmp_path)
     tokens; a run stored before has its counts copied from its usage, a delta stored
     before holds one token, and a run it left RUNNING is interrupted with those."""
     path = tmp_path / "runs.db"
-    raw = sqlite3.connect(path)
-    for statement in (*V1_SCHEMA, *MIGRATE_1_TO_2):
-        raw.execute(statement)
     run = "INSERT INTO runs VALUES (?, ?, 'echo/m', ?, 0, 1.0, 'abcdefgh', '[]', '{}', 2.0, ?, "
     run += "'', '', ?, ?, 't', 0, NULL)"
     used = '{"done_reason": "stop", "prompt_tokens": 7, "completion_tokens": 9}'
-    raw.execute(run, (1, "done", "succeeded", 3.0, 4, used))
-    raw.execute(run, (2, "live", "running", None, 4, None))
+    rows: list[tuple[str, tuple[object, ...]]] = [
+        (run, (1, "done", "succeeded", 3.0, 4, used)),
+        (run, (2, "live", "running", None, 4, None)),
+    ]
     event = "INSERT INTO events VALUES (?, ?, ?, 2.0, ?, '', '', ?, NULL)"
     for run_id in ("done", "live"):
-        raw.execute(event, (run_id, 1, "queued", "", None))
-        raw.execute(event, (run_id, 2, "started", "", None))
-        raw.execute(event, (run_id, 3, "delta", "a b c", None))
-    raw.execute(event, ("done", 4, "succeeded", "", used))
-    raw.execute(event, ("live", 4, "delta", "d", None))
-    raw.execute("PRAGMA user_version = 2")
-    raw.commit()
-    raw.close()
+        rows.append((event, (run_id, 1, "queued", "", None)))
+        rows.append((event, (run_id, 2, "started", "", None)))
+        rows.append((event, (run_id, 3, "delta", "a b c", None)))
+    rows.append((event, ("done", 4, "succeeded", "", used)))
+    rows.append((event, ("live", 4, "delta", "d", None)))
+    old_store(path, 2, (*V1_SCHEMA, *MIGRATE_1_TO_2), rows)
     store = SqliteStore(path)
     try:
         done = await store.get("done")
@@ -292,19 +301,17 @@ async def test_a_version_3_store_is_migrated_with_no_replica_named(tmp_path):
     """v4 names the replica a run ran on; a run stored before names none, and one it
     left RUNNING is interrupted and can be read back as before."""
     path = tmp_path / "runs.db"
-    raw = sqlite3.connect(path)
-    for statement in (*V1_SCHEMA, *MIGRATE_1_TO_2, *MIGRATE_2_TO_3):
-        raw.execute(statement)
-    raw.execute(
+    run = (
         "INSERT INTO runs VALUES (1, 'live', 'echo/m', 'running', 0, 1.0, 'p', '[]', '{}', "
         "2.0, NULL, '', '', 2, NULL, '', 0, NULL, NULL, NULL, 0, 0)"
     )
     event = "INSERT INTO events VALUES ('live', ?, ?, 2.0, '', '', '', NULL, NULL, 0)"
-    raw.execute(event, (1, "queued"))
-    raw.execute(event, (2, "started"))
-    raw.execute("PRAGMA user_version = 3")
-    raw.commit()
-    raw.close()
+    old_store(
+        path,
+        3,
+        (*V1_SCHEMA, *MIGRATE_1_TO_2, *MIGRATE_2_TO_3),
+        [(run, ()), (event, (1, "queued")), (event, (2, "started"))],
+    )
     store = SqliteStore(path)
     try:
         live = await store.get("live")

@@ -196,7 +196,6 @@ class CapacityLearner:
                     unjudged=unjudged,
                 )
             )
-            self._rebalance(learned)
             # the next scrape begins an interval after this one began, or, after a slow
             # one, LEAST_GAP of an interval after it answered
             now = trio.current_time()
@@ -240,7 +239,7 @@ class CapacityLearner:
     def _rebalance(self, learned: LearnedCapacity, ending: Permit | None = None) -> None:
         """Over the learned limit or budget, take back the youngest runs that wait for
         a first token past their bound; under them, let those this learner took back go
-        again, the first granted first (module docstring)."""
+        again, the first granted first (module docstring). Only a latency learner does."""
         if learned.signal != "latency":
             return
         held, running, reserved = self._engaged(ending)

@@ -529,7 +529,7 @@ class RunManager:
                 message=outcome.message,
                 usage=self._settled(live, outcome.usage),
                 retry_after=outcome.retry_after,
-                replica=live.replica if live.state.status is RunStatus.RUNNING else "",
+                replica=live.replica,  # "" unless it started (LiveRun.start_event)
             )
             with trio.move_on_after(self.final_write_timeout, shield=True) as scope:
                 await self.runs.write(live, event)
