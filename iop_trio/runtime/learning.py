@@ -22,7 +22,8 @@ budget in the gate, is counted by reason and logged at debug level.
 the learner then lowered waits inside the engine for a place, a whole run's time when
 runs are long, out of reach of the node's priorities, cancels and limits. After every
 look, while the pool's runs in the engine are over its limit or budget, the youngest
-that wait past :meth:`~.capacity.LearnedCapacity.waited_past` for a first token are
+that wait past :meth:`~.capacity.LearnedCapacity.waited_past` for a first token, and
+those granted after the oldest of them with no first token either, are
 taken back (their request closed: the engine sent nothing for them, so nothing is sent
 twice) and wait in the node, holding their permits; as the engine's runs end, those
 this learner took back go again, the first granted first, before any new run (their
@@ -110,6 +111,10 @@ class CapacityLearner:
         #: token came (the run manager's :meth:`~.manager.RunManager.in_engine`; set by
         #: the node)
         self.in_engine: Callable[[], Iterable[tuple[Permit, float, bool]]] = lambda: ()
+        #: the runs in the engine that have had a first token, and the seconds between
+        #: the engine's two latest batches for each (the manager's
+        #: :meth:`~.manager.RunManager.engine_gaps`; set by the node)
+        self.engine_gaps: Callable[[], Iterable[tuple[Permit, float]]] = lambda: ()
         #: takes runs back from the engine (module docstring; set by the node)
         self.steps_back: StepsBack = _NoneBack()
         self._told: weakref.WeakSet[Permit] = weakref.WeakSet()  # runs said to wait
@@ -245,17 +250,7 @@ class CapacityLearner:
         held, running, reserved = self._engaged(ending)
         limit, budget = learned.limit, learned.budget
         if running > limit or (running > 1 and reserved > budget):
-            now = trio.current_time()
-            waiting = [
-                permit
-                for permit, sent, had_first in self.in_engine()
-                if not had_first
-                and permit is not ending
-                and permit.at_grant(self.pool) is not None
-                and (past := learned.waited_past(permit.cost)) is not None
-                and now - sent > past
-            ]
-            waiting.sort(key=lambda p: p.granted_at or 0.0, reverse=True)
+            waiting = self._waiting_in_engine(learned, ending)
             for permit in waiting:
                 if running <= limit and (running <= 1 or reserved <= budget):
                     break
@@ -274,6 +269,30 @@ class CapacityLearner:
             self.steps_back.go_again(permit)
             running, reserved = running + 1, reserved + permit.cost
 
+    def _waiting_in_engine(self, learned: LearnedCapacity, ending: Permit | None) -> list[Permit]:
+        """The pool's runs in the engine (but ``ending``) that wait for a first token
+        past their bound, youngest first, and every run granted after the oldest of
+        those that has no first token either: the engine admits in order, so a run
+        behind one that waits for room waits too, and is taken back without waiting
+        out a bound of its own."""
+        now = trio.current_time()
+        mine = [
+            (permit, sent, permit.granted_at or 0.0)
+            for permit, sent, had_first in self.in_engine()
+            if not had_first and permit is not ending and permit.at_grant(self.pool) is not None
+        ]
+        past_bound = [
+            granted
+            for permit, sent, granted in mine
+            if (past := learned.waited_past(permit.cost)) is not None and now - sent > past
+        ]
+        if not past_bound:
+            return []
+        oldest = min(past_bound)
+        waiting = [permit for permit, _sent, granted in mine if granted >= oldest]
+        waiting.sort(key=lambda p: p.granted_at or 0.0, reverse=True)
+        return waiting
+
     def _judge(self, learned: LearnedCapacity) -> tuple[int, int]:
         """The pool's runs in the engine that are stalled (nothing heard for longer than
         the policy allows; none until it has measured a step), and those granted since
@@ -286,8 +305,10 @@ class CapacityLearner:
             if permit.at_grant(self.pool) is not None
         ]
         grants = [p.granted_at for p, _heard, _first in mine if p.granted_at is not None]
+        # a run just heard from after a long step (a burst of prefills) shows that step
+        gaps = dict(self.engine_gaps())
         learned.on_streaming(
-            [now - heard for _p, heard, first in mine if first],
+            [max(now - heard, gaps.get(p, 0.0) / 2) for p, heard, first in mine if first],
             now - min(grants) if grants else 0.0,
         )
         later_past = learned.stalled_past()

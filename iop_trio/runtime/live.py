@@ -138,6 +138,9 @@ class LiveRun:
     sent_at: float | None = None
     first_at: float | None = None
     heard_at: float | None = None
+    # the seconds between the engine's two latest batches for it after its first token
+    # (0: none yet): a step of the engine, as long as the longest prefill it held up
+    gap: float = 0.0
     # from its STARTED on: the replica its engine request goes to ("" where its adapter
     # has none); another after a failover (pipeline.StreamRelay.relay_run)
     replica: str = ""

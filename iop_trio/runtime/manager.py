@@ -192,6 +192,13 @@ class RunManager:
             if heard is not None and live.permit is not None:
                 yield live.permit, heard, live.first_at is not None
 
+    def engine_gaps(self) -> Iterator[tuple[Permit, float]]:
+        """The runs in the engine that have had their first token: their permits, and the
+        seconds between the engine's two latest batches for each (0: one batch so far)."""
+        for live in self.runs:
+            if live.heard_at is not None and live.first_at is not None and live.permit is not None:
+                yield live.permit, live.gap
+
     # --- submitting ----------------------------------------------------------------------
 
     async def submit(

@@ -404,6 +404,7 @@ class Node:
         for name, (auto, pool) in self.auto.items():
             learner = CapacityLearner(name, auto, pool, self.adapter_of_pool(name), self.gate)
             learner.in_engine = manager.in_engine
+            learner.engine_gaps = manager.engine_gaps
             learner.steps_back = manager.runs
             if name in self._replica_pools:  # its scrapes steer least_loaded routing too
                 learner.scraped = partial(self.gate.set_replica_signals, *self._replica_pools[name])

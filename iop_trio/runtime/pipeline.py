@@ -329,7 +329,10 @@ class StreamRelay:
             # taken back as this batch was handed over (the reader's send woke the run,
             # which had not run yet): the batch is dropped, nothing of it is written
             return STEPPED_BACK
-        live.heard_at = trio.current_time()  # the learners' sign that it is not stalled
+        now = trio.current_time()
+        if live.first_at is not None and live.heard_at is not None:
+            live.gap = now - live.heard_at
+        live.heard_at = now  # the learners' sign that it is not stalled
         live.attempt = None  # the engine has answered it: it is not taken back now
         pending = _Pending()
         for chunk in batch:
