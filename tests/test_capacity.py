@@ -1,7 +1,7 @@
 """The latency learner told its signals directly (sans-IO, no clock): the tokens' slow
-start doubles what was safe, and ends once, falling back to
-:data:`~iop_trio.runtime.capacity.HEADROOM` times it; a wait lowers the limit to the runs
-streaming; probes that fail at one mark back off."""
+start doubles what was safe, ends idle (falling back to
+:data:`~iop_trio.runtime.capacity.HEADROOM` times it) and begins again; a wait lowers
+the limit to the runs streaming; probes that fail at one mark back off."""
 
 from __future__ import annotations
 
@@ -54,11 +54,28 @@ def test_a_run_that_waits_ends_the_slow_start():
     assert learned.ceiling == learned.token_mark == 1400
 
 
-def test_a_run_that_ends_ends_the_slow_start():
+def test_a_slow_start_ended_idle_begins_again_when_the_tokens_bind_with_no_mark():
+    """A light load ends the slow start (nothing waits); a burst of larger runs after it
+    doubles again a round (TCP's restart after idle below ``ssthresh``), not 1.25x."""
     learned = learner()
     assert safe_at(learned, 800, 0.5) == 1600
-    learned.on_run_end(0.125, 2.0)
-    assert safe_at(learned, 800, 2.5) == 800 * HEADROOM
+    learned.on_run_end(0.125, 2.0)  # a run's end is no sign of the engine's room
+    assert safe_at(learned, 800, 2.5) == 1600
+    move = learned.on_tick(3.0, running=8, reserved=800, queued=0, smallest=None)
+    assert move is not None and move.budget == 800 * HEADROOM  # idle: ended
+    # runs of 400 tokens wait for tokens: the slow start begins again
+    learned.on_tick(4.0, running=5, reserved=1000, queued=8, smallest=400)
+    assert learned.budget == 1400
+    assert safe_at(learned, 1400, 4.5) == 2800  # twice what was safe, not 1.25x
+
+
+def test_the_tokens_follow_the_limit_in_their_slow_start():
+    learned = learner()
+    assert safe_at(learned, 300, 0.5) == 600
+    # runs of 100 wait for a full pool of 4: the limit doubles, and the tokens, which
+    # would hold back the runs it lets in, follow it (one round judges both)
+    learned.on_tick(1.0, running=4, reserved=400, queued=9, smallest=100)
+    assert (learned.limit, learned.budget) == (8, 800)
 
 
 def runs_learner() -> LearnedCapacity:
@@ -84,6 +101,16 @@ def waited(learned: LearnedCapacity, now: float, in_flight: int, streaming: int 
     )
     assert move is None or move.reason == "latency_waited"
     return learned.limit
+
+
+def test_past_16_runs_a_rise_of_the_slow_start_adds_8():
+    """RFC 3742's limited slow start: the last rise overshoots by a bounded number."""
+    learned = runs_learner()
+    learned.on_tick(1.0, running=32, reserved=0, queued=5, smallest=None)
+    assert learned.limit == 40
+    learned.limit = 8
+    learned.on_tick(2.0, running=8, reserved=0, queued=5, smallest=None)
+    assert learned.limit == 16
 
 
 def probe_after(learned: LearnedCapacity, since: float) -> float:

@@ -64,7 +64,9 @@ tokens in flight, itself included) says what was safe and what was too much:
 - a run that did not wait shows what was *safe*: the most runs and tokens seen in
   flight with no wait are kept, and the budget may be twice those tokens in the tokens'
   slow start, :data:`HEADROOM` times them after it (:meth:`LearnedCapacity._end_slow_start`
-  says when it ends), under the ceiling (``latency_room``);
+  says when it ends and begins again), under the ceiling (``latency_room``); past
+  :data:`LIMITED_SLOW_START` runs, a slow start's rise adds at most half that many
+  (RFC 3742), so its last rise overshoots the engine by a bounded number of runs;
 - a run that waited came when too much was in flight. What explains it is lowered:
   the tokens, if more were in flight than ever safely (the ceiling drops to what was
   in flight before it, and that is the token mark), the runs, if more ran than ever
@@ -77,7 +79,10 @@ tokens in flight, itself included) says what was safe and what was too much:
   nothing;
 - every look, runs waiting for a pool that is full grow what binds it
   (:meth:`LearnedCapacity.on_tick`, ``latency_room``), as above: the limit and the
-  budget's ceiling double below their marks and then grow additively.
+  budget's ceiling double below their marks and then grow additively. In their slow
+  starts the other grows with it when it would bind next (the limit's rise lets in runs
+  the tokens would hold back, or the other way), so one round of first tokens judges
+  both, rather than each waiting a round for the other.
 
 Both start slow: the limit at :data:`INITIAL_LIMIT` and the budget unbounded (the limit bounds
 what is in flight until the first signals say more).
@@ -125,6 +130,10 @@ CONFIRM_AFTER = 2.5
 HEADROOM = 1.25
 #: The same in the tokens' slow start (:meth:`LearnedCapacity._end_slow_start`).
 SLOW_START_HEADROOM = 2.0
+#: Runs past which a slow start's rise adds at most half as many runs again (RFC 3742's
+#: limited slow start, ``max_ssthresh``): a rise doubles below it, and past it
+#: overshoots the engine by a bounded number of runs, which wait a tolerance each.
+LIMITED_SLOW_START = 16
 #: Looks, and runs' times, with no queue after which a mark is forgotten.
 FORGET_AFTER = 50
 FORGET_RUNS = 4
@@ -241,7 +250,9 @@ class LearnedCapacity:
     def on_streaming(self, quiet: list[float], oldest: float = 0.0) -> None:
         """The seconds since each run streaming now was last heard from: a run that
         gets a token a step is quiet for half a step on average, so twice their median
-        is the step now (with fewer than :data:`LIVE_RUNS`, not known). ``oldest``: the
+        is the step now (with fewer than :data:`LIVE_RUNS`, not known). The shell passes
+        half a run's latest gap between two batches where that is longer (a run heard
+        from just now, after a long step: a burst of prefills). ``oldest``: the
         seconds the oldest run in flight has held its place (a run's time is at least
         that)."""
         self.oldest = oldest
@@ -369,7 +380,7 @@ class LearnedCapacity:
         """The limit one rise makes: doubled below the mark, then +1, +2, ... (once
         :meth:`_probing`)."""
         if self.limit * 2 <= self.run_mark:
-            return self.limit * 2
+            return self._limited(self.limit, self.limit * 2, 1)
         if self.limit < self.run_mark:
             return self.run_mark
         if not self._probing(now, runs=True):
@@ -559,7 +570,7 @@ class LearnedCapacity:
         if not self.counts_tokens or not self.safe:
             return None
         ended = self._end_slow_start()
-        budget = self.safe * self._headroom()
+        budget = self._limited(self.safe, self.safe * self._headroom(), sample.cost)
         if self.budget != math.inf and not ended:
             budget = max(self.budget, budget)
         return self._moved("latency_room", self.limit, budget, now)
@@ -610,23 +621,48 @@ class LearnedCapacity:
         if running >= self.limit:
             limit = self._grown_limit(now)
         budget = self.budget
-        if self.counts_tokens and smallest is not None and reserved + smallest > budget:
-            self._grown_ceiling(now, smallest)
-            # doubling what is in flight up to what was safe, then one more waiting run
-            # (once the tokens have made a run of this size wait, a probe: a run's time
-            # apart)
-            budget = reserved + smallest
-            if reserved * 2 <= self.safe * HEADROOM:
-                budget = reserved * 2
-            elif (
-                budget > self.safe * HEADROOM
-                and self.token_mark != math.inf
-                and self._mark_size == self._size(smallest)
-                and now - self.risen_at < self._run_time()
-            ):
-                budget = self.budget
-
+        if not self.counts_tokens or smallest is None:
+            return self._moved("latency_room", limit, budget, now)
+        if reserved + smallest > budget:
+            if self.token_mark == math.inf and not self._starting:
+                self._starting = True  # bound by tokens again, with no mark: slow start
+            budget = self._grown_tokens(now, reserved, smallest)
+            # what the tokens let in now past the limit: it would bind next, so it grows
+            # too in its slow start (both are judged by the same round of first tokens)
+            lets_in = running + (budget - reserved) / smallest
+            if limit == self.limit and lets_in > limit and limit * 2 <= self.run_mark:
+                limit = self._grown_limit(now)
+        elif limit > self.limit and self.token_mark == math.inf:
+            # the limit's rise lets in runs the tokens would hold back: in their slow
+            # start they follow it, up to double what is in flight
+            need = reserved + smallest * (limit - running)
+            budget = max(budget, self._limited(reserved, min(need, reserved * 2), smallest))
         return self._moved("latency_room", limit, budget, now)
+
+    @staticmethod
+    def _limited(now_in: float, rise: float, per_run: float) -> float:
+        """``rise`` from ``now_in`` (runs, or tokens at ``per_run`` a run), by at most
+        half of :data:`LIMITED_SLOW_START` runs once past that many."""
+        if now_in <= LIMITED_SLOW_START * per_run:
+            return rise
+        return min(rise, now_in + LIMITED_SLOW_START / 2 * per_run)
+
+    def _grown_tokens(self, now: float, reserved: int, smallest: int) -> float:
+        """The budget one rise makes while a run reserving ``smallest`` waits for tokens:
+        doubling what is in flight up to what was safe, then one more waiting run (once
+        the tokens have made a run of this size wait, a probe: a run's time apart)."""
+        self._grown_ceiling(now, smallest)
+        budget = reserved + smallest
+        if reserved * 2 <= self.safe * HEADROOM:
+            return self._limited(reserved, reserved * 2, smallest)
+        if (
+            budget > self.safe * HEADROOM
+            and self.token_mark != math.inf
+            and self._mark_size == self._size(smallest)
+            and now - self.risen_at < self._run_time()
+        ):
+            return self.budget
+        return budget
 
     def _headroom(self) -> float:
         """How far past the most tokens seen in flight safely the budget may go: double
@@ -635,14 +671,16 @@ class LearnedCapacity:
 
     def _end_slow_start(self, *, idle: bool = False) -> bool:
         """End the tokens' slow start if it is due, and say whether it ended just now
-        (True once only): tokens made a run wait, a run ended, or no run waits for the
-        pool (``idle``: the load, not the budget, bounds what is in flight, so the doubled
-        headroom is untested, as TCP's window is not grown while the sender has too
-        little to send, RFC 7661). The budget then falls back to :data:`HEADROOM` times
-        what was safe, so a load that shifts to larger runs does not come in on the
-        headroom the first runs left."""
+        (True once per slow start): tokens made a run wait (the token mark), or no run
+        waits for the pool (``idle``: the load, not the budget, bounds what is in flight,
+        so the doubled headroom is untested, as TCP's window is not grown while the
+        sender has too little to send, RFC 7661). The budget then falls back to
+        :data:`HEADROOM` times what was safe, so a load that shifts to larger runs does
+        not come in on the headroom the first runs left. A slow start ended idle begins
+        again once the tokens bind with no token mark (:meth:`on_tick`), as TCP's does
+        after an idle period below ``ssthresh`` (RFC 5681, 4.1)."""
         ended = idle and self.safe > 0 and self.budget != math.inf
-        if self._starting and (ended or self.token_mark != math.inf or self.run_time > 0):
+        if self._starting and (ended or self.token_mark != math.inf):
             self._starting = False
             return True
         return False
