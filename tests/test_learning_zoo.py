@@ -20,6 +20,7 @@ minutes of simulated time); ``python -m tests.zoo`` prints the figures of the sa
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -127,3 +128,42 @@ def test_the_latency_learner_takes_back_the_long_runs_it_let_in_past_the_cache()
     long = figures[1]
     assert long.queued <= 1.0, long
     assert long.running >= 0.85 * shape.fits(LONG.prompt_tokens, LONG.max_tokens, 48), long
+
+
+def test_a_burst_of_prefills_in_one_step_is_not_read_as_a_wait() -> None:
+    """An engine with room for every long run and a slow prefill (the sample's
+    ``big-kv-no-metrics`` at 100 ms a step and 100 µs a prompt token): the latency
+    learner's slow start lets in a burst of long prompts, and the engine prefills them
+    all in one step of a second or more. A look just after that step used to see the
+    streaming runs just heard from (a live step of 1 ms), read the prefill as a wait,
+    and hold the long phase at 12 runs of the 48 that fit. The look now takes half a
+    run's last gap between two batches as the step now (about 41 runs)."""
+    shape = dataclasses.replace(zoo.BY_NAME["big-kv-no-metrics"], base_ms=100, prefill_us=100)
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    figures = trio.run(measure, shape, Config("latency"), LOADS["shift"], clock=clock)
+    long = figures[1]
+    assert long.running >= 0.8 * shape.fits(LONG.prompt_tokens, LONG.max_tokens, 48), long
+
+
+def test_the_runs_behind_one_that_waits_for_room_are_taken_back_with_it() -> None:
+    """Drawn engine 19 of ``python -m tests.zoo --drawn 30``: a cache of 30 long runs, no
+    batch cap. The slow start's last rise lets in runs past the cache at once. Once the
+    oldest of them waits past its bound, those granted after it with no first token
+    wait too (the engine admits in order): they are taken back together, rather than
+    each a bound of its own later (1.0 queued on average in the long phase before,
+    0.4 after)."""
+    shape = zoo.Shape(
+        "kv-30-long",
+        base_ms=116.568,
+        per_seq_ms=3.17795,
+        prefill_us=20.0,
+        kv_tokens=40610,
+        max_batch=None,
+        metrics="vllm",
+        scrape_ms=144.841,
+        admit="step",
+        kv_mode="reserve",
+    )
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    figures = trio.run(measure, shape, Config("latency"), LOADS["shift"], clock=clock)
+    assert figures[1].queued <= 0.7, figures[1]
