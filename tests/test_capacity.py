@@ -172,3 +172,25 @@ def test_a_wait_that_what_was_safe_does_not_explain_keeps_the_mark():
     # and a wait there, past what is safe now, marks where it is
     assert waited(learned, 6.0, in_flight=31, streaming=27) == 27
     assert learned.run_mark == 27
+
+
+def test_the_run_that_filled_the_limit_doubles_it_at_its_first_token():
+    """TCP's slow start grows its window at each acknowledgment, not a round trip later:
+    a run granted into the limit's last place that did not wait says the limit was
+    safe, and below the mark the limit doubles then (past 16, by 8), not at the next
+    look. One granted with places free says nothing of the limit (a window the load
+    does not fill is not grown, RFC 7661), and past a wait's mark nothing doubles."""
+    learned = runs_learner()
+    learned.limit = 8
+    learned.on_first_token(RunSample(0.125, 7, 0, 0, 0.4), 0.5)
+    assert learned.limit == 8
+    learned.on_first_token(RunSample(0.125, 8, 0, 0, 0.4), 0.5)
+    assert learned.limit == 16
+    learned.on_first_token(RunSample(0.125, 16, 0, 0, 0.6), 0.7)
+    assert learned.limit == 32
+    learned.on_first_token(RunSample(0.125, 32, 0, 0, 0.8), 0.9)
+    assert learned.limit == 40
+    dropped = waited(learned, 2.0, in_flight=40, streaming=30)
+    assert dropped == 30 and learned.run_mark < 2 * dropped
+    learned.on_first_token(RunSample(0.125, dropped, 0, 0, 2.1), 2.2)
+    assert learned.limit == dropped

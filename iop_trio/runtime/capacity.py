@@ -82,7 +82,10 @@ tokens in flight, itself included) says what was safe and what was too much:
   budget's ceiling double below their marks and then grow additively. In their slow
   starts the other grows with it when it would bind next (the limit's rise lets in runs
   the tokens would hold back, or the other way), so one round of first tokens judges
-  both, rather than each waiting a round for the other.
+  both, rather than each waiting a round for the other. Below its mark the limit also
+  doubles at the first token of a run that filled it (granted into its last place) and
+  did not wait (:meth:`LearnedCapacity.on_first_token`: TCP grows its window at each
+  acknowledgment), not a look later.
 
 Both start slow: the limit at :data:`INITIAL_LIMIT` and the budget unbounded (the limit bounds
 what is in flight until the first signals say more).
@@ -567,13 +570,19 @@ class LearnedCapacity:
             return self._waited(sample, now, streaming=streaming)
         self.safe = max(self.safe, sample.reserved)
         self.safe_runs = max(self.safe_runs, sample.in_flight)
-        if not self.counts_tokens or not self.safe:
-            return None
-        ended = self._end_slow_start()
-        budget = self._limited(self.safe, self.safe * self._headroom(), sample.cost)
-        if self.budget != math.inf and not ended:
-            budget = max(self.budget, budget)
-        return self._moved("latency_room", self.limit, budget, now)
+        limit: float = self.limit
+        if sample.in_flight >= self.limit and self.limit * 2 <= self.run_mark:
+            # the run that filled the limit did not wait: in the limit's slow start it
+            # doubles at once, as TCP's window grows on each acknowledgment, not a look
+            # later
+            limit = self._limited(self.limit, self.limit * 2, 1)
+        budget = self.budget
+        if self.counts_tokens and self.safe:
+            ended = self._end_slow_start()
+            budget = self._limited(self.safe, self.safe * self._headroom(), sample.cost)
+            if self.budget != math.inf and not ended:
+                budget = max(self.budget, budget)
+        return self._moved("latency_room", limit, budget, now)
 
     def on_waiting(
         self,
