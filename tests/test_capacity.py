@@ -11,6 +11,7 @@ import pytest
 
 from iop_trio.model import AutoConcurrency
 from iop_trio.runtime.capacity import HEADROOM, MOST_BACKOFF, LearnedCapacity, RunSample
+from iop_trio.tokens import EngineSignals
 
 
 def learner() -> LearnedCapacity:
@@ -194,3 +195,22 @@ def test_the_run_that_filled_the_limit_doubles_it_at_its_first_token():
     assert dropped == 30 and learned.run_mark < 2 * dropped
     learned.on_first_token(RunSample(0.125, dropped, 0, 0, 2.1), 2.2)
     assert learned.limit == dropped
+
+
+def test_a_rise_the_engine_took_is_not_judged_a_failed_probe_by_a_later_dip():
+    """The engine learner judges a rise of the limit that its batch may not take: if,
+    once the rise's runs are heard from, the engine runs no more than before it and some
+    wait, its batch is full. A scrape begun just after the rise (within a step: too soon
+    to judge a failure) that shows the engine running more says it took the rise, and a
+    later scrape with a few requests waiting for the next step (an engine that admits at
+    step boundaries), and so fewer running, must not undo it (drawn engine 5: the first
+    phase's limit fell from 16 to 8 and took 7 s to climb back)."""
+    learned = LearnedCapacity(AutoConcurrency(1, 64), signal="engine", now=0.0)
+    learned.limit = 8
+    kw = {"reserved": 800, "queued": 5, "stalled": 0}
+    # the engine ran 14 (runs let in before the limit was learned) when it rose
+    learned.on_engine(EngineSignals(0, 14, 0.1, 0.9), 1.0, running=14, **kw)
+    assert learned.limit == 16
+    learned.on_engine(EngineSignals(0, 16, 0.2, 1.02), 1.05, running=16, **kw)
+    learned.on_engine(EngineSignals(3, 13, 0.2, 1.4), 1.5, running=16, **kw)
+    assert learned.limit >= 16

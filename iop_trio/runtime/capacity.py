@@ -475,6 +475,8 @@ class LearnedCapacity:
         fresh = signals.at >= self.risen_at + self.step
         if signals.running is not None:
             self._peak = max(self._peak, signals.running)
+        if signals.at >= self.risen_at and self._probe_taken(signals):
+            self._probe = None  # even a scrape begun within a step of the rise shows it
         if fresh and self._failed_probe(signals, unjudged):
             assert self._probe is not None
             limit = self._probe[0]
@@ -493,10 +495,17 @@ class LearnedCapacity:
         it cannot be told about, is forgotten)."""
         if self._probe is None or signals.running is None or unjudged:
             return False
-        if signals.running > self._probe[1] or self._cache_binds(signals, signals.running):
-            self._probe = None  # taken, or the cache is what binds (the budget's matter)
+        if self._probe_taken(signals):
+            self._probe = None
             return False
         return signals.waiting > 0
+
+    def _probe_taken(self, signals: EngineSignals) -> bool:
+        """Whether the engine ran more requests than before the limit's last rise, or its
+        cache is what binds (the budget's matter): the probe is not a failure to judge."""
+        if self._probe is None or signals.running is None:
+            return False
+        return signals.running > self._probe[1] or self._cache_binds(signals, signals.running)
 
     @staticmethod
     def _cache_binds(signals: EngineSignals, taken: float) -> bool:
