@@ -5,6 +5,7 @@ the limit to the runs streaming; probes that fail at one mark back off."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -214,3 +215,36 @@ def test_a_rise_the_engine_took_is_not_judged_a_failed_probe_by_a_later_dip():
     learned.on_engine(EngineSignals(0, 16, 0.2, 1.02), 1.05, running=16, **kw)
     learned.on_engine(EngineSignals(3, 13, 0.2, 1.4), 1.5, running=16, **kw)
     assert learned.limit >= 16
+
+
+def test_no_run_waits_or_stalls_while_the_engine_is_still_in_a_long_step():
+    """A burst of long prompts prefilled in one step: no run hears anything until it
+    ends, not even those streaming before it. A run is judged in steps at least as long
+    as the step now has lasted (the least time since any run streaming was heard), so
+    the burst is not read as a queue; a run quiet while others are heard still is."""
+    learned = learner()
+    waits, stalls = learned.waited_past(100), learned.stalled_past()
+    assert waits is not None and stalls is not None
+    learned.on_streaming([0.9, 1.0], 0.0)  # nothing from either for 0.9 s at least
+    assert learned.waited_past(100) == pytest.approx(waits / learned.step * 0.9)
+    assert learned.stalled_past() == pytest.approx(stalls / learned.step * 0.9)
+    learned.on_streaming([0.01, 1.0], 0.0)  # one was heard just now: the other stalls
+    assert learned.stalled_past() == pytest.approx(stalls)
+
+
+def test_a_token_mark_short_runs_set_says_nothing_of_long_runs():
+    """A wait of short runs marks the tokens (here 1,400); then long runs bind the
+    tokens. The mark was set by runs of another size (at a batch cap it is often a
+    guess: neither the runs nor the tokens explained the wait), so it is forgotten and
+    the tokens' slow start begins again: twice what was safe, not 1.25x under the old
+    mark (drawn engine 24 climbed one long run a round)."""
+    learned = learner()
+    assert safe_at(learned, 800, 0.5) == 1600
+    learned.on_first_token(RunSample(1.25, 15, 1500, 100, 0.6), 1.0)
+    assert learned.token_mark == 1400
+    learned.on_tick(2.0, running=2, reserved=1400, queued=5, smallest=1000)  # ends it
+    learned.on_tick(2.2, running=2, reserved=1400, queued=5, smallest=1000)
+    assert learned.token_mark == math.inf
+    learned.on_first_token(RunSample(0.125, 1, 1000, 1000, 2.1), 2.2)  # its baseline
+    learned.on_first_token(RunSample(0.125, 3, 2400, 1000, 2.3), 2.4)
+    assert learned.budget == 4800

@@ -168,3 +168,26 @@ def test_the_runs_behind_one_that_waits_for_room_are_taken_back_with_it() -> Non
     clock = trio.testing.MockClock(autojump_threshold=0)
     figures = trio.run(measure, shape, Config("latency"), LOADS["shift"], clock=clock)
     assert figures[1].queued <= 1.0, figures[1]
+
+
+def test_the_engine_learner_takes_back_the_runs_it_let_in_past_a_batch_cap() -> None:
+    """Drawn engine 24 of ``python -m tests.zoo --drawn 30``: a batch cap of 9 on steps
+    of 186 ms, so a short run holds its place 4.6 s. The first phase's slow start lets
+    in 16; the engine runs 9 and says 7 wait, and the limit drops to 9. The 7 used to
+    stay queued in the engine until places freed (2.4 queued on average through the
+    phase); the engine learner now takes them back as the latency learner does."""
+    shape = zoo.Shape(
+        "cap-9-slow",
+        base_ms=186.182,
+        per_seq_ms=0.481775,
+        prefill_us=20.0,
+        kv_tokens=33466,
+        max_batch=9,
+        metrics="vllm",
+        scrape_ms=140.675,
+        admit="step",
+        kv_mode="paged",
+    )
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    figures = trio.run(measure, shape, Config("engine"), LOADS["shift"], clock=clock)
+    assert all(f.queued <= 1.0 for f in figures), figures

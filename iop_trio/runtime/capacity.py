@@ -215,6 +215,7 @@ class LearnedCapacity:
         self.tpot: float | None = None  # the smoothed time per output token of runs
         self.run_time = 0.0  # the smoothed seconds a run holds its permit
         self.live_step = 0.0  # the step as the runs streaming now show it (0: unknown)
+        self.in_step = 0.0  # how long the step now has lasted at least (0: unknown)
         self.oldest = 0.0  # the seconds the oldest run in flight has held its place
         self._first: float | None = None  # the shortest TTFT seen, the step until a TPOT
         self._rng = rng or random.Random()
@@ -257,8 +258,10 @@ class LearnedCapacity:
         half a run's latest gap between two batches where that is longer (a run heard
         from just now, after a long step: a burst of prefills). ``oldest``: the
         seconds the oldest run in flight has held its place (a run's time is at least
-        that)."""
+        that). The least of them is how long the engine's step now has lasted at least:
+        nothing came for any run since (:meth:`waited_past`)."""
         self.oldest = oldest
+        self.in_step = min(quiet, default=0.0)
         if len(quiet) < LIVE_RUNS:
             self.live_step = 0.0
             return
@@ -290,16 +293,20 @@ class LearnedCapacity:
     def waited_past(self, cost: int | None = None) -> float | None:
         """Seconds past which a run reserving ``cost`` tokens, with no first token, waits
         inside the engine (None until a first token of its size has been seen: the
-        first of a new size sets the baseline of its size)."""
+        first of a new size sets the baseline of its size), in steps at least as long
+        as the step now has lasted: a run is not judged to wait while the engine is
+        still in a long step (the prefills of a burst), before any batch shows it."""
         baseline = self.baseline(cost)
         if not self.measured or baseline is None:
             return None
-        return self.tolerance * max(baseline, 1.0) * self.step
+        return self.tolerance * max(baseline, 1.0) * max(self.step, self.in_step)
 
     def stalled_past(self) -> float | None:
         """Seconds with nothing heard past which a run that has had tokens is stalled
-        (preempted, or its engine stuck); None until a step is measured."""
-        return self.tolerance * self.step if self.measured else None
+        (preempted: the others were heard from since); None until a step is measured.
+        In steps at least as long as the step now has lasted, as :meth:`waited_past`:
+        in a long step no run is heard from, and none is stalled for it."""
+        return self.tolerance * max(self.step, self.in_step) if self.measured else None
 
     @property
     def tolerance(self) -> float:
@@ -642,6 +649,10 @@ class LearnedCapacity:
         if not self.counts_tokens or smallest is None:
             return self._moved("latency_room", limit, budget, now)
         if reserved + smallest > budget:
+            if self.token_mark != math.inf and self._mark_size != self._size(smallest):
+                # a mark that runs of another size set says nothing of the cache's room
+                # for these (a batch's wait taken for both: the engine "shrank")
+                self.token_mark = self.ceiling = math.inf
             if self.token_mark == math.inf and not self._starting:
                 self._starting = True  # bound by tokens again, with no mark: slow start
             budget = self._grown_tokens(now, reserved, smallest)

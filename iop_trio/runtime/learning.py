@@ -201,6 +201,7 @@ class CapacityLearner:
                     unjudged=unjudged,
                 )
             )
+            self._rebalance(learned)
             # the next scrape begins an interval after this one began, or, after a slow
             # one, LEAST_GAP of an interval after it answered
             now = trio.current_time()
@@ -245,8 +246,6 @@ class CapacityLearner:
         """Over the learned limit or budget, take back the youngest runs that wait for
         a first token past their bound; under them, let those this learner took back go
         again, the first granted first (module docstring). Only a latency learner does."""
-        if learned.signal != "latency":
-            return
         held, running, reserved = self._engaged(ending)
         limit, budget = learned.limit, learned.budget
         if running > limit or (running > 1 and reserved > budget):
