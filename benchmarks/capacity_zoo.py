@@ -142,6 +142,8 @@ def verdicts(shape: engine_zoo.Shape, runs: Sequence[Run]) -> list[str]:
 
 def main(ns: argparse.Namespace, names: Sequence[str]) -> int:
     """Every shape of ``names`` (all of the sample if empty), each configuration."""
+    # capacity.py runs as __main__: the module imported here is another copy of it
+    capacity.KEEP, capacity.NODE_LOG_LEVEL = ns.keep, ns.node_log
     capacity.machine_facts(sys.stdout)
     shapes = [engine_zoo.BY_NAME[n] for n in names] if names else list(engine_zoo.SAMPLE)
     print(

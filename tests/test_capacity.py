@@ -5,7 +5,6 @@ the limit to the runs streaming; probes that fail at one mark back off."""
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -230,21 +229,3 @@ def test_no_run_waits_or_stalls_while_the_engine_is_still_in_a_long_step():
     assert learned.stalled_past() == pytest.approx(stalls / learned.step * 0.9)
     learned.on_streaming([0.01, 1.0], 0.0)  # one was heard just now: the other stalls
     assert learned.stalled_past() == pytest.approx(stalls)
-
-
-def test_a_token_mark_short_runs_set_says_nothing_of_long_runs():
-    """A wait of short runs marks the tokens (here 1,400); then long runs bind the
-    tokens. The mark was set by runs of another size (at a batch cap it is often a
-    guess: neither the runs nor the tokens explained the wait), so it is forgotten and
-    the tokens' slow start begins again: twice what was safe, not 1.25x under the old
-    mark (drawn engine 24 climbed one long run a round)."""
-    learned = learner()
-    assert safe_at(learned, 800, 0.5) == 1600
-    learned.on_first_token(RunSample(1.25, 15, 1500, 100, 0.6), 1.0)
-    assert learned.token_mark == 1400
-    learned.on_tick(2.0, running=2, reserved=1400, queued=5, smallest=1000)  # ends it
-    learned.on_tick(2.2, running=2, reserved=1400, queued=5, smallest=1000)
-    assert learned.token_mark == math.inf
-    learned.on_first_token(RunSample(0.125, 1, 1000, 1000, 2.1), 2.2)  # its baseline
-    learned.on_first_token(RunSample(0.125, 3, 2400, 1000, 2.3), 2.4)
-    assert learned.budget == 4800

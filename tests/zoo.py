@@ -330,9 +330,9 @@ def drawn(count: int, seed: int = 30) -> None:
 
 def main(names: Sequence[str]) -> None:
     """``python -m tests.zoo [SHAPE...]``: the sample's figures (or the shapes named);
-    ``python -m tests.zoo --drawn N``: :func:`drawn`."""
+    ``python -m tests.zoo --drawn N [SEED]``: :func:`drawn`."""
     if names[:1] == ["--drawn"]:
-        drawn(int(names[1]) if len(names) > 1 else 30)
+        drawn(int(names[1]) if len(names) > 1 else 30, int(names[2]) if len(names) > 2 else 30)
         return
     shapes = [zoo.BY_NAME[n] for n in names] if names else list(zoo.SAMPLE)
     for shape in shapes:

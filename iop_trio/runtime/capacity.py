@@ -649,10 +649,6 @@ class LearnedCapacity:
         if not self.counts_tokens or smallest is None:
             return self._moved("latency_room", limit, budget, now)
         if reserved + smallest > budget:
-            if self.token_mark != math.inf and self._mark_size != self._size(smallest):
-                # a mark that runs of another size set says nothing of the cache's room
-                # for these (a batch's wait taken for both: the engine "shrank")
-                self.token_mark = self.ceiling = math.inf
             if self.token_mark == math.inf and not self._starting:
                 self._starting = True  # bound by tokens again, with no mark: slow start
             budget = self._grown_tokens(now, reserved, smallest)
