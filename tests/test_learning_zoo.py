@@ -63,6 +63,12 @@ def judged(shape: Any, load: str) -> dict[str, list[Any]]:
     return trio.run(judge, shape, LOADS[load], clock=clock)
 
 
+def measured(shape: Any, kind: str) -> list[Any]:
+    """One learner's figures over the ``shift`` load, on MockClock."""
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    return trio.run(measure, shape, Config(kind), LOADS["shift"], clock=clock)
+
+
 def misses(results: dict[str, list[Any]], phases: Any) -> set[tuple[str, int]]:
     """(learner, phase index) of each target missed: the ratio, the queue, the reach."""
     missed = set()
@@ -125,8 +131,7 @@ def test_the_latency_learner_takes_back_the_long_runs_it_let_in_past_the_cache()
         admit="arrival",
         kv_mode="reserve",
     )
-    clock = trio.testing.MockClock(autojump_threshold=0)
-    figures = trio.run(measure, shape, Config("latency"), LOADS["shift"], clock=clock)
+    figures = measured(shape, "latency")
     long = figures[1]
     assert long.queued <= 1.0, long
     assert long.running >= 0.85 * shape.fits(LONG.prompt_tokens, LONG.max_tokens, 48), long
@@ -141,8 +146,7 @@ def test_a_burst_of_prefills_in_one_step_is_not_read_as_a_wait() -> None:
     and hold the long phase at 12 runs of the 48 that fit. The look now takes half a
     run's last gap between two batches as the step now (about 41 runs)."""
     shape = dataclasses.replace(zoo.BY_NAME["big-kv-no-metrics"], base_ms=100, prefill_us=100)
-    clock = trio.testing.MockClock(autojump_threshold=0)
-    figures = trio.run(measure, shape, Config("latency"), LOADS["shift"], clock=clock)
+    figures = measured(shape, "latency")
     long = figures[1]
     assert long.running >= 0.8 * shape.fits(LONG.prompt_tokens, LONG.max_tokens, 48), long
 
@@ -166,8 +170,7 @@ def test_the_runs_behind_one_that_waits_for_room_are_taken_back_with_it() -> Non
         admit="step",
         kv_mode="reserve",
     )
-    clock = trio.testing.MockClock(autojump_threshold=0)
-    figures = trio.run(measure, shape, Config("latency"), LOADS["shift"], clock=clock)
+    figures = measured(shape, "latency")
     assert figures[1].queued <= 1.0, figures[1]
 
 
@@ -189,6 +192,5 @@ def test_the_engine_learner_takes_back_the_runs_it_let_in_past_a_batch_cap() -> 
         admit="step",
         kv_mode="paged",
     )
-    clock = trio.testing.MockClock(autojump_threshold=0)
-    figures = trio.run(measure, shape, Config("engine"), LOADS["shift"], clock=clock)
+    figures = measured(shape, "engine")
     assert all(f.queued <= 1.0 for f in figures), figures

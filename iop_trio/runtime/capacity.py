@@ -502,9 +502,6 @@ class LearnedCapacity:
         it cannot be told about, is forgotten)."""
         if self._probe is None or signals.running is None or unjudged:
             return False
-        if self._probe_taken(signals):
-            self._probe = None
-            return False
         return signals.waiting > 0
 
     def _probe_taken(self, signals: EngineSignals) -> bool:

@@ -245,7 +245,7 @@ class CapacityLearner:
     def _rebalance(self, learned: LearnedCapacity, ending: Permit | None = None) -> None:
         """Over the learned limit or budget, take back the youngest runs that wait for
         a first token past their bound; under them, let those this learner took back go
-        again, the first granted first (module docstring). Only a latency learner does."""
+        again, the first granted first (module docstring). Both learners do."""
         held, running, reserved = self._engaged(ending)
         limit, budget = learned.limit, learned.budget
         if running > limit or (running > 1 and reserved > budget):
