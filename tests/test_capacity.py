@@ -229,3 +229,71 @@ def test_no_run_waits_or_stalls_while_the_engine_is_still_in_a_long_step():
     assert learned.stalled_past() == pytest.approx(stalls / learned.step * 0.9)
     learned.on_streaming([0.01, 1.0], 0.0)  # one was heard just now: the other stalls
     assert learned.stalled_past() == pytest.approx(stalls)
+
+
+def test_a_run_granted_past_what_was_ever_safe_is_judged_sooner():
+    """A slow start's last rise overshoots the engine by up to as many runs as it had;
+    each waits in the engine until it is judged. A latency learner judges a run granted
+    past the most runs or tokens seen in flight with no wait (a probe) after 2.5 steps
+    times the baseline, not 4; a run within what was safe keeps the wider bound."""
+    learned = learner()
+    safe_at(learned, 800, 0.5)
+    assert (learned.safe_runs, learned.safe) == (8, 800)
+    within = learned.waited_past(100, (8, 800))
+    probe = learned.waited_past(100, (9, 900))
+    tokens_probe = learned.waited_past(100, (8, 900))
+    assert within is not None and probe is not None
+    assert probe == tokens_probe == pytest.approx(within * 2.5 / 4)
+    assert learned.waited_past(100) == within  # not known: the wider bound
+    # a run of the probe waits at 3 of its bound's steps: said now, not at 4
+    assert learned.on_waiting(probe * 1.2, RunSample(0.0, 9, 900, 100, 0.5), 0.6) is not None
+
+
+def test_the_step_is_what_the_runs_of_one_batch_show_between_their_batches():
+    """The runs of one batch all hear at once: 2 ms after a batch every one has been
+    quiet 2 ms, and 100 ms after it 100 ms. The step is the median gap between two
+    batches of a run (or its quiet, if longer: a step that lasts), not twice a quiet
+    (4 ms, or 200 ms), and a run with one batch so far shows none."""
+    learned = learner()
+    learned.on_run_end(0.4)  # the runs that ended stepped at 400 ms (a larger batch)
+    learned.on_streaming([0.002] * 6, 0.0, [0.1] * 6)
+    assert learned.step == pytest.approx(0.1)
+    learned.on_streaming([0.1] * 6, 0.0, [0.1] * 6)
+    assert learned.step == pytest.approx(0.1)
+    learned.on_streaming([0.3] * 6, 0.0, [0.3] * 6)  # a long step: the quiet shows it
+    assert learned.step == pytest.approx(0.3)
+    learned.on_streaming([0.002] * 6, 0.0, [0.1] * 2)  # four had one batch only
+    assert learned.step == pytest.approx(0.4)  # too few show the step: the runs' TPOT
+
+
+def test_a_long_prompts_first_token_is_not_late_for_a_step_that_shrank():
+    """A prefill takes its time whatever the step: a long prompt's first token 150 ms
+    out, on 100 ms steps, is 1.5 steps. When the batch shrinks to 20 ms steps, the same
+    prefill is 7.5 steps, not a wait: a run waits past the tolerance times the shortest
+    time to first token of its size too."""
+    learned = learner()
+    learned.on_first_token(RunSample(0.15, 1, 1000, 1000, 0.2), 0.4)
+    learned.on_streaming([0.001] * 6, 0.0, [0.02] * 6)
+    assert learned.step == pytest.approx(0.02)
+    past = learned.waited_past(1000, (2, 2000))
+    assert past is not None and past >= 2.5 * 0.15
+    late = learned.on_first_token(RunSample(0.16, 2, 2000, 1000, 1.0), 1.2)
+    assert late is None or late.reason != "latency_waited"
+
+
+def test_a_run_granted_during_a_long_step_is_not_late_for_waiting_it_out():
+    """A burst's prefills make one long step; a run granted during it joins only at the
+    next, so its first token comes a long step and its own step late. The step that
+    just ended (the longest a streaming run just showed) bounds the wait too, for a
+    run still without a first token and for one whose first token came."""
+    learned = learner()
+    safe_at(learned, 800, 0.2)  # runs of 2 and 3 in flight are within what was safe
+    learned.on_streaming([0.01] * 6, 0.0, [0.1] * 5 + [0.6])
+    assert learned.step == pytest.approx(0.1)
+    past = learned.waited_past(100, (2, 200))
+    assert past is not None and past >= 4 * 0.6
+    assert learned.on_waiting(0.7, RunSample(0.0, 2, 200, 100, 0.5), 1.2) is None
+    late = learned.on_first_token(RunSample(0.7, 2, 200, 100, 0.5), 1.2)
+    assert late is None or late.reason != "latency_waited"
+    learned.on_streaming([0.01] * 6, 0.0, [0.1] * 6)  # steps of 0.1 s again: it waited
+    assert learned.on_first_token(RunSample(0.7, 3, 300, 100, 1.3), 2.0) is not None

@@ -9,14 +9,16 @@ the engine holds, as the node counts its runs' prompt and most output). It moves
 from one of two signals, and says why it moved (:class:`Move`).
 
 **No timing constant belongs to one engine.** Every pace is in units of the engine's
-own **step**, measured: the smoothed time per output token of the runs that succeeded
-(before any has, the shortest time to first token seen; before that
-:data:`FIRST_STEP`). The learner looks every :attr:`~LearnedCapacity.interval`
-(:data:`STEPS_A_LOOK` steps, within :data:`SHORTEST_LOOK` and :data:`LONGEST_LOOK`
-seconds); a run is *stalled* when it has heard nothing from the engine for
-:attr:`~LearnedCapacity.tolerance` steps (before its first token: that many times the
-baseline ratio of time to first token over the step, since a first token costs a
-prefill).
+own **step**, measured: the median gap between two batches of the runs streaming now
+(:meth:`LearnedCapacity.on_streaming`), else the smoothed time per output token of
+the runs that succeeded (before any has, the shortest time to first token seen;
+before that :data:`FIRST_STEP`). The learner looks every
+:attr:`~LearnedCapacity.interval` (:data:`STEPS_A_LOOK` steps, within
+:data:`SHORTEST_LOOK` and :data:`LONGEST_LOOK` seconds); a run is *stalled* when it
+has heard nothing from the engine for :attr:`~LearnedCapacity.tolerance` steps (before
+its first token: that many times the baseline ratio of time to first token over the
+step, since a first token costs a prefill, and at least that many times the shortest
+time to first token of its size: :meth:`LearnedCapacity.waited_past`).
 
 **Growth is TCP's**: below the *mark* (the limit at which the engine last queued, as
 TCP's ``ssthresh``) the limit doubles each look while runs wait for it and the engine
@@ -57,7 +59,9 @@ step to show (its scrape began earlier) grows nothing.
 waited inside the engine when its time to first token (TTFT), in steps, is over
 :data:`TOLERANCE` times the baseline (a ratio that a larger batch does not move, but a
 wait in the engine's queue does; Gradient2's idea, on the step rather than the
-latency). It is read at each first token, and every look for runs still without one
+latency); a probe (a run granted past what was ever safe) waits past
+:data:`CONFIRM_AFTER` times it (:meth:`LearnedCapacity.tolerance_for`). It is read at
+each first token, and every look for runs still without one
 (:meth:`LearnedCapacity.on_waiting`). What each run saw at its grant (the runs and
 tokens in flight, itself included) says what was safe and what was too much:
 
@@ -212,10 +216,14 @@ class LearnedCapacity:
         self._starting = True  # the tokens' slow start (:meth:`_headroom`)
         # the lowest TTFT in steps, by the size of the run (its prefill grows with it)
         self.baselines: dict[int, float] = {}
+        # the shortest TTFT in seconds, by size: a prefill's time, which the step does
+        # not scale (:meth:`waited_past`)
+        self.shortest: dict[int, float] = {}
         self.tpot: float | None = None  # the smoothed time per output token of runs
         self.run_time = 0.0  # the smoothed seconds a run holds its permit
         self.live_step = 0.0  # the step as the runs streaming now show it (0: unknown)
         self.in_step = 0.0  # how long the step now has lasted at least (0: unknown)
+        self.last_step = 0.0  # the longest step a streaming run just showed (0: unknown)
         self.oldest = 0.0  # the seconds the oldest run in flight has held its place
         self._first: float | None = None  # the shortest TTFT seen, the step until a TPOT
         self._rng = rng or random.Random()
@@ -244,29 +252,41 @@ class LearnedCapacity:
 
     @property
     def step(self) -> float:
-        """Seconds of one engine step, as measured (module docstring), or as the runs
-        streaming now show it, if longer (a batch that just grew steps slower than
-        the runs that ended say)."""
+        """Seconds of one engine step: as the runs streaming now show it, where enough
+        do (:meth:`on_streaming`), else as measured (module docstring). The runs that
+        ended say what the step was: a batch that grew or shrank since (a shift to
+        longer runs, fewer at once) steps at another pace, and long runs end seconds
+        later."""
+        if self.live_step > 0:
+            return self.live_step
         if self.tpot is not None:
-            return max(self.tpot, self.live_step)
-        return max(self._first if self._first is not None else FIRST_STEP, self.live_step)
+            return self.tpot
+        return self._first if self._first is not None else FIRST_STEP
 
-    def on_streaming(self, quiet: list[float], oldest: float = 0.0) -> None:
-        """The seconds since each run streaming now was last heard from: a run that
-        gets a token a step is quiet for half a step on average, so twice their median
-        is the step now (with fewer than :data:`LIVE_RUNS`, not known). The shell passes
-        half a run's latest gap between two batches where that is longer (a run heard
-        from just now, after a long step: a burst of prefills). ``oldest``: the
-        seconds the oldest run in flight has held its place (a run's time is at least
-        that). The least of them is how long the engine's step now has lasted at least:
-        nothing came for any run since (:meth:`waited_past`)."""
+    def on_streaming(
+        self, quiet: list[float], oldest: float = 0.0, steps: list[float] | None = None
+    ) -> None:
+        """The seconds since each run streaming now was last heard from, and the step
+        shown by each that has had two batches (``steps``: its latest gap between two,
+        or its quiet if longer; None: twice each quiet, as a run that gets a token a
+        step is quiet for half a step on average). Their median is the step now (with
+        fewer than :data:`LIVE_RUNS`, not known): the runs of one batch all hear at
+        once, so their quiet is the time since that batch, not half a step each, and
+        twice it would read a step up to twice too long (or, just after their first
+        tokens, ten times too short). The shell passes half a run's latest
+        gap as its quiet where that is longer (a run heard from just now, after a long
+        step: a burst of prefills). ``oldest``: the seconds the oldest run in flight has
+        held its place (a run's time is at least that). The least quiet is how long
+        the engine's step now has lasted at least: nothing came for any run since
+        (:meth:`waited_past`), and the longest of ``steps`` the step that just ended, at
+        least: a run granted during a long step (a burst's prefills) waits it out before
+        its own prefill begins, which is not a queue.
+        """
         self.oldest = oldest
         self.in_step = min(quiet, default=0.0)
-        if len(quiet) < LIVE_RUNS:
-            self.live_step = 0.0
-            return
-        quiet = sorted(quiet)
-        self.live_step = 2 * quiet[len(quiet) // 2]
+        shown = sorted(steps if steps is not None else [2 * q for q in quiet])
+        self.live_step = shown[len(shown) // 2] if len(shown) >= LIVE_RUNS else 0.0
+        self.last_step = shown[-1] if steps else 0.0
 
     @property
     def interval(self) -> float:
@@ -290,16 +310,40 @@ class LearnedCapacity:
             return self.baselines[min(self.baselines)] if self.baselines else None
         return self.baselines.get(self._size(cost))
 
-    def waited_past(self, cost: int | None = None) -> float | None:
+    def waited_past(
+        self, cost: int | None = None, seen: tuple[int, int] | None = None
+    ) -> float | None:
         """Seconds past which a run reserving ``cost`` tokens, with no first token, waits
         inside the engine (None until a first token of its size has been seen: the
         first of a new size sets the baseline of its size), in steps at least as long
         as the step now has lasted: a run is not judged to wait while the engine is
-        still in a long step (the prefills of a burst), before any batch shows it."""
+        still in a long step (the prefills of a burst), before any batch shows it.
+        ``seen``: the runs and tokens in flight at its grant; a run granted past what
+        was ever safe is a probe, judged sooner (:meth:`tolerance_for`). At least the
+        tolerance times the shortest time to first token of its size: a long prompt's
+        prefill takes its time whatever the step, so a step that shrinks (fewer runs
+        at once) does not make its first token late."""
         baseline = self.baseline(cost)
         if not self.measured or baseline is None:
             return None
-        return self.tolerance * max(baseline, 1.0) * max(self.step, self.in_step)
+        shortest = self.shortest.get(self._size(cost), 0.0) if cost is not None else 0.0
+        step = max(self.step, self.in_step, self.last_step)
+        waits = max(max(baseline, 1.0) * step, shortest)
+        return self.tolerance_for(seen) * waits
+
+    def tolerance_for(self, seen: tuple[int, int] | None) -> float:
+        """The :attr:`tolerance` of a run that saw ``seen`` (runs, tokens) in flight at
+        its grant: a latency learner's probe, granted past the most runs or tokens seen
+        in flight with no wait, is judged after :data:`CONFIRM_AFTER` steps, not
+        :data:`TOLERANCE`: a slow start's last rise overshoots the engine by up to as
+        many runs as it had, and each waits the tolerance in the engine before it is
+        taken back; a run within what was safe keeps the wider bound (a false wait
+        there forgets what was safe)."""
+        if seen is None or self.signal != "latency":
+            return self.tolerance
+        runs, tokens = seen
+        probe = runs > self.safe_runs or (self.counts_tokens and tokens > self.safe)
+        return CONFIRM_AFTER if probe else self.tolerance
 
     def stalled_past(self) -> float | None:
         """Seconds with nothing heard past which a run that has had tokens is stalled
@@ -332,6 +376,7 @@ class LearnedCapacity:
             return None
         ratio = sample.ttft / scale
         size = self._size(sample.cost)
+        self.shortest[size] = min(self.shortest.get(size, math.inf), sample.ttft)
         baseline = self.baselines.get(size)
         if sample.in_flight <= self.auto.minimum or baseline is None:
             # came alone: nothing it waited for was the node's doing; a fresh baseline
@@ -576,10 +621,10 @@ class LearnedCapacity:
         ``streaming``: counts the pool's runs that have had their first token (see
         :meth:`_waited`; called only for a run that waited), if known."""
         ratio = self._ratio(sample)
-        baseline = self.baseline(sample.cost)
-        if self.signal != "latency" or ratio is None or baseline is None:
+        past = self.waited_past(sample.cost)  # within what was safe or not: it came
+        if self.signal != "latency" or ratio is None or past is None:
             return None
-        if ratio > TOLERANCE * max(baseline, 1.0):
+        if sample.ttft > past:
             return self._waited(sample, now, streaming=streaming)
         self.safe = max(self.safe, sample.reserved)
         self.safe_runs = max(self.safe_runs, sample.in_flight)
@@ -612,7 +657,7 @@ class LearnedCapacity:
         every run that waits so (what the engine holds), if known; ``streaming``: counts
         the pool's runs that have had their first token, if known. Its caller tells
         each run once."""
-        past = self.waited_past(sample.cost)
+        past = self.waited_past(sample.cost, (sample.in_flight, sample.reserved))
         if self.signal != "latency" or past is None or age <= past:
             return None
         return self._waited(sample, now, held, streaming)

@@ -283,7 +283,8 @@ class CapacityLearner:
         past_bound = [
             granted
             for permit, sent, granted in mine
-            if (past := learned.waited_past(permit.cost)) is not None and now - sent > past
+            if (past := learned.waited_past(permit.cost, permit.at_grant(self.pool))) is not None
+            and now - sent > past
         ]
         if not past_bound:
             return []
@@ -306,14 +307,20 @@ class CapacityLearner:
         grants = [p.granted_at for p, _heard, _first in mine if p.granted_at is not None]
         # a run just heard from after a long step (a burst of prefills) shows that step
         gaps = dict(self.engine_gaps())
+        streams = [(now - heard, gaps.get(p, 0.0)) for p, heard, first in mine if first]
         learned.on_streaming(
-            [max(now - heard, gaps.get(p, 0.0) / 2) for p, heard, first in mine if first],
+            [max(quiet, gap / 2) for quiet, gap in streams],
             now - min(grants) if grants else 0.0,
+            [max(quiet, gap) for quiet, gap in streams if gap],
         )
         later_past = learned.stalled_past()
         stalled = unjudged = 0
         for permit, heard, had_first in mine:
-            past = later_past if had_first else learned.waited_past(permit.cost)
+            past = (
+                later_past
+                if had_first
+                else learned.waited_past(permit.cost, permit.at_grant(self.pool))
+            )
             quiet = past is not None and now - heard > past
             stalled += quiet
             if not had_first and (quiet or permit in self._told):
@@ -349,7 +356,9 @@ class CapacityLearner:
             if permit.at_grant(self.pool) is None:
                 continue
             streaming += had_first
-            past = None if had_first else learned.waited_past(permit.cost)
+            past = (
+                None if had_first else learned.waited_past(permit.cost, permit.at_grant(self.pool))
+            )
             if past is not None and now - sent > past:
                 waiting.append((permit, sent))
         held = self.pool.reserved - sum(permit.cost for permit, _sent in waiting)
