@@ -109,7 +109,7 @@ from __future__ import annotations
 import collections
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -264,29 +264,27 @@ class LearnedCapacity:
         return self._first if self._first is not None else FIRST_STEP
 
     def on_streaming(
-        self, quiet: list[float], oldest: float = 0.0, steps: list[float] | None = None
+        self, quiet: list[float], oldest: float = 0.0, steps: Sequence[float] = ()
     ) -> None:
         """The seconds since each run streaming now was last heard from, and the step
         shown by each that has had two batches (``steps``: its latest gap between two,
-        or its quiet if longer; None: twice each quiet, as a run that gets a token a
-        step is quiet for half a step on average). Their median is the step now (with
-        fewer than :data:`LIVE_RUNS`, not known): the runs of one batch all hear at
-        once, so their quiet is the time since that batch, not half a step each, and
-        twice it would read a step up to twice too long (or, just after their first
-        tokens, ten times too short). The shell passes half a run's latest
-        gap as its quiet where that is longer (a run heard from just now, after a long
-        step: a burst of prefills). ``oldest``: the seconds the oldest run in flight has
-        held its place (a run's time is at least that). The least quiet is how long
-        the engine's step now has lasted at least: nothing came for any run since
-        (:meth:`waited_past`), and the longest of ``steps`` the step that just ended, at
-        least: a run granted during a long step (a burst's prefills) waits it out before
-        its own prefill begins, which is not a queue.
-        """
+        or its quiet if longer). Their median is the step now (with fewer than
+        :data:`LIVE_RUNS`, not known): the runs of one batch all hear at once, so their
+        quiet is the time since that batch, and twice it (a run's quiet, were they
+        spread out) would read a step up to twice too long, or, just after their first
+        tokens, ten times too short. The shell passes half a run's latest gap as its
+        quiet where that is longer (a run heard from just now, after a long step: a
+        burst of prefills). ``oldest``: the seconds the oldest run in flight has held
+        its place (a run's time is at least that). The least quiet is how long the
+        engine's step now has lasted at least: nothing came for any run since
+        (:meth:`waited_past`); the longest of ``steps`` is the step that just ended, at
+        least: a run granted during a long step (a burst's prefills) waits it out
+        before its own prefill begins, which is not a queue."""
         self.oldest = oldest
         self.in_step = min(quiet, default=0.0)
-        shown = sorted(steps if steps is not None else [2 * q for q in quiet])
+        shown = sorted(steps)
         self.live_step = shown[len(shown) // 2] if len(shown) >= LIVE_RUNS else 0.0
-        self.last_step = shown[-1] if steps else 0.0
+        self.last_step = shown[-1] if shown else 0.0
 
     @property
     def interval(self) -> float:
@@ -621,7 +619,8 @@ class LearnedCapacity:
         ``streaming``: counts the pool's runs that have had their first token (see
         :meth:`_waited`; called only for a run that waited), if known."""
         ratio = self._ratio(sample)
-        past = self.waited_past(sample.cost)  # within what was safe or not: it came
+        # the wider bound, probe or not: a first token that came says the run was let in
+        past = self.waited_past(sample.cost)
         if self.signal != "latency" or ratio is None or past is None:
             return None
         if sample.ttft > past:

@@ -283,8 +283,7 @@ class CapacityLearner:
         past_bound = [
             granted
             for permit, sent, granted in mine
-            if (past := learned.waited_past(permit.cost, permit.at_grant(self.pool))) is not None
-            and now - sent > past
+            if (past := self._waited_past(learned, permit)) is not None and now - sent > past
         ]
         if not past_bound:
             return []
@@ -292,6 +291,12 @@ class CapacityLearner:
         waiting = [permit for permit, _sent, granted in mine if granted >= oldest]
         waiting.sort(key=lambda p: p.granted_at or 0.0, reverse=True)
         return waiting
+
+    def _waited_past(self, learned: LearnedCapacity, permit: Permit) -> float | None:
+        """The seconds past which ``permit``'s run, with no first token, waits inside the
+        engine (:meth:`~.capacity.LearnedCapacity.waited_past`, by what it saw in this
+        pool at its grant)."""
+        return learned.waited_past(permit.cost, permit.at_grant(self.pool))
 
     def _judge(self, learned: LearnedCapacity) -> tuple[int, int]:
         """The pool's runs in the engine that are stalled (nothing heard for longer than
@@ -316,11 +321,7 @@ class CapacityLearner:
         later_past = learned.stalled_past()
         stalled = unjudged = 0
         for permit, heard, had_first in mine:
-            past = (
-                later_past
-                if had_first
-                else learned.waited_past(permit.cost, permit.at_grant(self.pool))
-            )
+            past = later_past if had_first else self._waited_past(learned, permit)
             quiet = past is not None and now - heard > past
             stalled += quiet
             if not had_first and (quiet or permit in self._told):
@@ -356,9 +357,7 @@ class CapacityLearner:
             if permit.at_grant(self.pool) is None:
                 continue
             streaming += had_first
-            past = (
-                None if had_first else learned.waited_past(permit.cost, permit.at_grant(self.pool))
-            )
+            past = None if had_first else self._waited_past(learned, permit)
             if past is not None and now - sent > past:
                 waiting.append((permit, sent))
         held = self.pool.reserved - sum(permit.cost for permit, _sent in waiting)
